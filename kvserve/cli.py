@@ -1,0 +1,75 @@
+"""The ``kvserve`` console script. Each subcommand lives in its own module, imported only when
+chosen (so ``kvserve serve`` never imports torch). A command module provides
+``add_arguments(parser)`` and ``main(args) -> int``.
+
+Logging is configured here, in the entry point, and nowhere else.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("kvserve.model.train", "train a model (default: the `small` preset on the "
+                                     "Python stdlib sources)"),
+    "import-hf": ("kvserve.model.hf_import", "convert a local Hugging Face GPT-2/Llama "
+                                             "directory into a kvserve checkpoint"),
+    "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
+                                     "parity gate and a manifest"),
+    "verify": ("kvserve.export.verify", "check an artifact directory against its manifest"),
+    "serve": ("kvserve.server.main", "serve an artifact directory over gRPC"),
+    "generate": ("kvserve.clients.generate", "stream a completion from a server"),
+    "score": ("kvserve.clients.score", "score a file of texts against a server"),
+    "bench": ("kvserve.bench.main", "run the benchmarks and write the tables"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: kvserve COMMAND [options]   (kvserve COMMAND --help for details)", "",
+             "commands:"]
+    for name, (module, help_) in COMMANDS.items():
+        available = importlib.util.find_spec(module.rsplit(".", 1)[0]) is not None
+        lines.append(f"  {name:<10} {help_}" + ("" if available else "  [not installed]"))
+    return "\n".join(lines)
+
+
+def setup_logging(level: str | None = None) -> None:
+    level = (level or os.environ.get("KVSERVE_LOG_LEVEL", "INFO")).upper()
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"kvserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as e:
+        print(f"kvserve {name}: needs a package that is not installed ({e.name}); for "
+              f"training/export install the extra: pip install 'kvserve[train]'", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"kvserve {name}", description=COMMANDS[name][1])
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env "
+                                                          "KVSERVE_LOG_LEVEL)")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    setup_logging(args.log_level)
+    try:
+        return int(module.main(args) or 0)
+    except KeyboardInterrupt:
+        print(f"kvserve {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for kvserve.v1 (from protos/kvserve/v1 by the build)."""

@@ -1,0 +1,70 @@
+"""Causal self-attention with multi-head, grouped-query and multi-query heads.
+
+The past K/V are read in place and never concatenated: scores against the past and against the
+new rows are computed separately and only the (small) score rows are joined. A decode step
+therefore reads the cache once, as attention must, and copies none of it. The layer returns
+only the new K/V rows; whoever owns the cache (``model.cache.KVCache`` in torch, the
+runtime's preallocated buffers in the server) writes them in.
+
+Query heads are grouped under their KV head (head h uses KV head h // n_groups), and the
+groups are folded into the row dimension, so GQA/MQA never materialise repeated K/V.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from .config import ModelConfig
+from .layers import apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_groups = cfg.n_groups
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        q_out = cfg.n_heads * cfg.head_dim
+        kv_out = cfg.n_kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, q_out + 2 * kv_out, bias=cfg.qkv_bias)
+        self.out = nn.Linear(q_out, cfg.d_model, bias=cfg.out_bias)
+        self.split = (q_out, kv_out, kv_out)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, C)
+        allowed: torch.Tensor,  # (B, 1, T, P+T) bool: query t may attend key s
+        rope: tuple[torch.Tensor, torch.Tensor] | None,  # cos, sin: (B, 1, T, D)
+        past: tuple[torch.Tensor, torch.Tensor] | None,  # (B, Hkv, P, D) each
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
+        B, T, _ = x.shape
+        H, Hkv, D, G = self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+
+        qg = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D): the heads sharing one KV head
+        scores = qg @ k.transpose(-1, -2)  # (B, Hkv, G*T, T)
+        if past is not None:
+            scores_past = qg @ past[0].transpose(-1, -2)  # (B, Hkv, G*T, P)
+            scores = torch.cat((scores_past, scores), dim=-1)  # (B, Hkv, G*T, P+T)
+        S = scores.shape[-1]
+        scores = scores.view(B, H, T, S) * self.scale  # (B, H, T, S)
+        # A large finite negative, not -inf: a row with every key masked stays finite.
+        scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)
+
+        pg = probs.view(B, Hkv, G * T, S)  # (B, Hkv, G*T, S)
+        if past is not None:
+            P = S - T
+            out = pg[..., :P] @ past[1] + pg[..., P:] @ v  # (B, Hkv, G*T, D)
+        else:
+            out = pg @ v  # (B, Hkv, G*T, D)
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
+        return self.out(out), (k, v), (probs if need_weights else None)

@@ -1,0 +1,65 @@
+"""Checkpoints are directories: model.safetensors + config.json (+ tokenizer.json, train state).
+
+Never pickle: weights go through safetensors, everything else is JSON.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+
+
+def model_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """State dict without the tied lm_head alias (safetensors refuses shared storage)."""
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def save_checkpoint(out: str | Path, model: Transformer, tokenizer_json: str | None = None,
+                    extra_files: dict[str, bytes] | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(model_state(model), str(tmp), metadata={"format": "pt", "producer": "kvserve"})
+    tmp.replace(out / WEIGHTS)  # atomic: a crash never leaves a half-written checkpoint
+    model.cfg.save(out / CONFIG)
+    if tokenizer_json is not None:
+        (out / TOKENIZER).write_text(tokenizer_json)
+    for name, data in (extra_files or {}).items():
+        (out / name).write_bytes(data)
+    return out
+
+
+def load_model(ckpt: str | Path, device: str = "cpu", dtype=torch.float32) -> Transformer:
+    ckpt = Path(ckpt)
+    if not (ckpt / CONFIG).is_file() or not (ckpt / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{ckpt} is not a kvserve checkpoint (needs {CONFIG} and "
+                                f"{WEIGHTS})")
+    cfg = ModelConfig.load(ckpt / CONFIG)
+    model = Transformer(cfg)
+    sd = load_file(str(ckpt / WEIGHTS), device=device)
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["tok_emb.weight"]
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt} does not match its config: missing={missing}, "
+                         f"unexpected={unexpected}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,122 @@
+"""Sampling as pure numpy functions, shared by the torch reference and the server (no torch).
+
+Order of operations for one row of logits (V,):
+  penalties (repetition, presence, frequency) -> greedy argmax if temperature == 0
+  -> temperature -> top-k -> top-p -> min-p -> draw.
+
+Seed rule (so that any two implementations agree): a request with a seed owns
+``numpy.random.Generator(PCG64(seed))``; each sampled step draws exactly one ``u = rng.random()``
+and picks the first token whose cumulative probability, over tokens sorted by descending
+probability (ties by ascending id), exceeds ``u * total``. Greedy steps draw nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NEG_INF = np.float32(-np.inf)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off (HF rule: divide positive logits, multiply negative)
+    presence_penalty: float = 0.0  # OpenAI rule, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI rule, over generated tokens
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def apply_penalties(logits: np.ndarray, context_ids: np.ndarray, generated_ids: np.ndarray,
+                    p: SamplingParams) -> np.ndarray:
+    """logits (V,) float32; context_ids: prompt + generated; generated_ids: generated only."""
+    if not p.has_penalties:
+        return logits
+    out = logits.astype(np.float32, copy=True)
+    if p.repetition_penalty != 1.0 and context_ids.size:
+        seen = np.unique(context_ids)
+        vals = out[seen]
+        out[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and generated_ids.size:
+        ids, counts = np.unique(generated_ids, return_counts=True)
+        out[ids] -= p.presence_penalty + p.frequency_penalty * counts.astype(np.float32)
+    return out
+
+
+def filter_logits(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Temperature, top-k, top-p, min-p. Returns scaled logits with removed tokens at -inf."""
+    x = logits.astype(np.float32) / np.float32(p.temperature)
+    V = x.shape[-1]
+    if 0 < p.top_k < V:
+        kth = np.partition(x, V - p.top_k)[V - p.top_k]
+        x = np.where(x < kth, NEG_INF, x)
+    if p.top_p < 1.0 or p.min_p > 0.0:
+        probs = softmax(x)
+        if p.top_p < 1.0:
+            order = sorted_order(probs)
+            cum = np.cumsum(probs[order])
+            # keep the smallest prefix whose mass reaches top_p (always at least one token)
+            keep_n = int(np.searchsorted(cum, np.float32(p.top_p), side="left")) + 1
+            drop = order[keep_n:]
+            x[drop] = NEG_INF
+        if p.min_p > 0.0:
+            x = np.where(probs < p.min_p * probs.max(), NEG_INF, x)
+    return x
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=-1, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32)
+    m = np.max(x, axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def sorted_order(probs: np.ndarray) -> np.ndarray:
+    """Indices by descending probability, ties by ascending id (stable sort of -p)."""
+    return np.argsort(-probs, kind="stable")
+
+
+def draw(probs: np.ndarray, u: float) -> int:
+    order = sorted_order(probs)
+    cum = np.cumsum(probs[order], dtype=np.float64)
+    idx = int(np.searchsorted(cum, u * cum[-1], side="right"))
+    return int(order[min(idx, len(order) - 1)])
+
+
+def next_token(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator | None,
+               context_ids: np.ndarray, generated_ids: np.ndarray) -> int:
+    """One step for one row: logits (V,) -> token id."""
+    x = apply_penalties(logits, context_ids, generated_ids, p)
+    if p.greedy:
+        return int(np.argmax(x))
+    probs = softmax(filter_logits(x, p))
+    return draw(probs, (rng if rng is not None else make_rng(None)).random())
+
+
+def top_n(logprobs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The n most likely ids and their logprobs, by descending logprob. logprobs: (V,)."""
+    n = min(n, logprobs.shape[-1])
+    idx = np.argpartition(-logprobs, n - 1)[:n]
+    idx = idx[np.lexsort((idx, -logprobs[idx]))]
+    return idx, logprobs[idx]
