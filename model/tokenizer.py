@@ -1,0 +1,86 @@
+"""Byte-level BPE tokenizer (Hugging Face ``tokenizers``), saved as one ``tokenizer.json``.
+
+No torch here: the server, which has no torch, uses the same class.
+
+Byte level means every byte has a token (``initial_alphabet=ByteLevel.alphabet()``), there is no
+normalizer and no prefix space, so ``decode(encode(text)) == text`` for any UTF-8 string.
+Special tokens: ``<|endoftext|>`` (end of text, joins documents in training) and ``<|pad|>``.
+Decoding keeps special tokens, so a literal ``<|endoftext|>`` in the input also round-trips.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = (EOS, PAD)
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> "Tokenizer":
+    """Train a byte-level BPE on an iterator of texts (deterministic for the same input)."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab_size must be >= {MIN_VOCAB} (256 bytes + special tokens), "
+                         f"got {vocab_size}")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Tokenizer(tok)
+    log.info("trained byte-level BPE: %d tokens (asked for %d)", out.vocab_size, vocab_size)
+    return out
+
+
+class Tokenizer:
+    """Thin wrapper: ids are plain Python ints; decoding is exact and keeps special tokens."""
+
+    def __init__(self, tok: HFTokenizer):
+        self._tok = tok
+        eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
+        if eos is None or pad is None:
+            raise ValueError(f"tokenizer lacks the special tokens {EOS!r} / {PAD!r}")
+        self.eos_id: int = eos
+        self.pad_id: int = pad
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Tokenizer":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        return cls(HFTokenizer.from_file(str(path)))
+
+    @classmethod
+    def from_str(cls, s: str) -> "Tokenizer":
+        return cls(HFTokenizer.from_str(s))
+
+    def to_str(self) -> str:
+        return self._tok.to_str()
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_str())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
