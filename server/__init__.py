@@ -1,0 +1,1 @@
+"""The gRPC service on onnxruntime. No torch anywhere in this package."""

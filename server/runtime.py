@@ -1,0 +1,225 @@
+"""onnxruntime execution of an exported artifact: prefill once, then decode steps. No torch.
+
+The KV cache has one home per layer: ``KVBuffers`` holds a preallocated
+(max_batch, Hkv, capacity, D) key and value buffer per layer. The decode graph reads the whole
+buffer in place (bound through IO binding, no copy) with an attention mask that marks each
+row's valid entries, and returns only the new token's K/V rows, which are written into the
+buffer with one indexed assignment per tensor. Nothing is concatenated and nothing is copied
+per step except those new rows; the capacity grows in chunks (one copy per chunk).
+
+Active sequences occupy the first ``n`` slots, so a decode step runs on the contiguous
+leading slice ``[:n]`` of every buffer; a sequence that leaves is replaced by the last one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from kvserve.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CAPACITY_CHUNK = 128
+
+
+def choose_providers(provider: str = "auto") -> list[str]:
+    available = ort.get_available_providers()
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    if provider == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise RuntimeError("provider 'cuda' requested but onnxruntime has no "
+                               "CUDAExecutionProvider (install onnxruntime-gpu on a CUDA host)")
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if provider != "auto":
+        raise ValueError(f"provider must be auto, cpu or cuda, got {provider!r}")
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return so
+
+
+class KVBuffers:
+    """Per-layer key/value homes for up to ``max_batch`` sequences."""
+
+    def __init__(self, cfg: ModelConfig, max_batch: int, capacity: int = CAPACITY_CHUNK,
+                 dtype=np.float32):
+        self.cfg, self.max_batch, self.dtype = cfg, max_batch, dtype
+        self.capacity = 0
+        self.k: list[np.ndarray] = []  # per layer (max_batch, Hkv, C, D)
+        self.v: list[np.ndarray] = []
+        self.mask = np.zeros((max_batch, 1), dtype=np.int64)  # (max_batch, C + 1)
+        self.used = np.zeros(max_batch, dtype=np.int64)  # buffer rows filled per slot
+        self.generation = 0  # bumps whenever the buffers are reallocated
+        self.ensure_capacity(capacity)
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_cap = CAPACITY_CHUNK * ((needed + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
+        cfg, B = self.cfg, self.max_batch
+        shape = (B, cfg.n_kv_heads, new_cap, cfg.head_dim)
+        old_k, old_v, old_c = self.k, self.v, self.capacity
+        self.k = [np.zeros(shape, self.dtype) for _ in range(cfg.n_layers)]
+        self.v = [np.zeros(shape, self.dtype) for _ in range(cfg.n_layers)]
+        for i in range(len(old_k)):
+            self.k[i][:, :, :old_c] = old_k[i]
+            self.v[i][:, :, :old_c] = old_v[i]
+        mask = np.zeros((B, new_cap + 1), dtype=np.int64)
+        mask[:, :old_c] = self.mask[:, :old_c]
+        mask[:, new_cap] = 1  # the column of the token being decoded
+        self.mask, self.capacity = mask, new_cap
+        self.generation += 1
+
+    def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
+        """Copy one prefilled sequence into ``slot``: ``present`` is the flat list of prefill
+        outputs (2L arrays (B, Hkv, T, D)); its last ``length`` positions of batch ``row`` are
+        the real (left-padded) tokens."""
+        self.ensure_capacity(length + 1)
+        T = present[0].shape[2]
+        for i in range(self.cfg.n_layers):
+            self.k[i][slot, :, :length] = present[2 * i][row, :, T - length:]
+            self.v[i][slot, :, :length] = present[2 * i + 1][row, :, T - length:]
+        self.mask[slot, :self.capacity] = 0
+        self.mask[slot, :length] = 1
+        self.used[slot] = length
+
+    def append(self, n: int, new_rows: list[np.ndarray]) -> None:
+        """Write the new token's K/V of slots [0, n) at each slot's next row."""
+        rows = self.used[:n]
+        b = np.arange(n)
+        for i in range(self.cfg.n_layers):
+            self.k[i][b, :, rows] = new_rows[2 * i][:n, :, 0]  # (n, Hkv, D)
+            self.v[i][b, :, rows] = new_rows[2 * i + 1][:n, :, 0]
+        self.mask[b, rows] = 1
+        self.used[:n] += 1
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
+        if src == dst:
+            return
+        L = int(self.used[src])
+        for i in range(self.cfg.n_layers):
+            self.k[i][dst, :, :L] = self.k[i][src, :, :L]
+            self.v[i][dst, :, :L] = self.v[i][src, :, :L]
+        self.mask[dst] = self.mask[src]
+        self.used[dst] = L
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+@dataclass
+class PrefillResult:
+    logits: np.ndarray  # (B, T, V)
+    present: list[np.ndarray]  # 2L x (B, Hkv, T, D)
+    attentions: list[np.ndarray] | None  # L x (B, H, T, T)
+
+
+class OnnxLM:
+    """The exported graphs of one artifact directory, run by onnxruntime."""
+
+    def __init__(self, artifact_dir: str | Path, provider: str = "auto",
+                 threads: int | None = None, attention: bool = True):
+        self.dir = Path(artifact_dir)
+        self.cfg = ModelConfig.load(self.dir / "config.json")
+        self.manifest = json.loads((self.dir / "manifest.json").read_text())
+        self.providers = choose_providers(provider)
+        so = session_options(threads)
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"] if attention else [])
+        for name in names:
+            path = self.dir / self.manifest["graphs"][name]["file"]
+            self.sessions[name] = ort.InferenceSession(str(path), so, providers=self.providers)
+        self.provider = self.sessions["decode"].get_providers()[0]
+        L = self.cfg.n_layers
+        self.present_names = [f"present.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
+        self.past_names = [f"past_key_values.{i}.{kv}" for i in range(L)
+                           for kv in ("key", "value")]
+        self.attn_names = [f"attn_weights.{i}" for i in range(L)]
+        self._bound: dict[tuple, tuple] = {}
+
+    @property
+    def has_attention(self) -> bool:
+        return "decode_attn" in self.sessions
+
+    # --- prefill -----------------------------------------------------------------------------
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                position_ids: np.ndarray | None = None, attention: bool = False) -> PrefillResult:
+        """input_ids, attention_mask: (B, T) int64, left-padded."""
+        if position_ids is None:
+            position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
+        sess = self.sessions["prefill_attn" if attention else "prefill"]
+        outs = sess.run(None, {"input_ids": input_ids.astype(np.int64, copy=False),
+                               "attention_mask": attention_mask.astype(np.int64, copy=False),
+                               "position_ids": position_ids.astype(np.int64, copy=False)})
+        L2 = 2 * self.cfg.n_layers
+        return PrefillResult(outs[0], outs[1:1 + L2], outs[1 + L2:] if attention else None)
+
+    # --- decode ------------------------------------------------------------------------------
+    def decode(self, kv: KVBuffers, n: int, tokens: np.ndarray, positions: np.ndarray,
+               attention: bool = False) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """One step for slots [0, n): tokens, positions (n,) int64.
+
+        Returns logits (n, V) (a view into a reused buffer: copy what you keep) and, when asked,
+        attention probabilities L x (n, H, 1, capacity + 1) over the slot's buffer rows plus
+        the new token (column ``capacity``).
+        """
+        kv.ensure_capacity(int(kv.used[:n].max()) + 1)
+        name = "decode_attn" if attention else "decode"
+        binding, ids, pos, logits, rows = self._binding(name, kv, n)
+        ids[:, 0] = tokens
+        pos[:, 0] = positions
+        self.sessions[name].run_with_iobinding(binding)
+        kv.append(n, rows)
+        attn = None
+        if attention:
+            outs = binding.get_outputs()
+            first = 1 + len(rows)
+            attn = [outs[first + i].numpy() for i in range(self.cfg.n_layers)]
+        return logits[:, 0], attn
+
+    def _binding(self, name: str, kv: KVBuffers, n: int):
+        """IO binding for (graph, batch n, buffer generation), built once and reused: the
+        inputs are the KV buffers themselves; the outputs are preallocated arrays."""
+        key = (name, n, kv.generation, id(kv))
+        hit = self._bound.get(key)
+        if hit is not None:
+            return hit
+        if len(self._bound) > 256:
+            self._bound.clear()
+        sess, cfg = self.sessions[name], self.cfg
+        b = sess.io_binding()
+        ids = np.zeros((n, 1), np.int64)
+        pos = np.zeros((n, 1), np.int64)
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("position_ids", pos)
+        b.bind_cpu_input("attention_mask", kv.mask[:n])
+        for i in range(cfg.n_layers):
+            b.bind_cpu_input(self.past_names[2 * i], kv.k[i][:n])
+            b.bind_cpu_input(self.past_names[2 * i + 1], kv.v[i][:n])
+        logits = np.zeros((n, 1, cfg.vocab_size), np.float32)
+        rows = [np.zeros((n, cfg.n_kv_heads, 1, cfg.head_dim), np.float32)
+                for _ in range(2 * cfg.n_layers)]
+        for arr, out_name in [(logits, "logits"), *zip(rows, self.present_names)]:
+            b.bind_output(out_name, "cpu", 0, np.float32, list(arr.shape), arr.ctypes.data)
+        if name == "decode_attn":
+            for out_name in self.attn_names:
+                b.bind_output(out_name, "cpu")
+        self._bound[key] = (b, ids, pos, logits, rows)
+        return self._bound[key]
