@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, model_state, save_checkpoint
 from .config import ModelConfig
@@ -208,13 +208,17 @@ def read_tensors(files: list[Path]) -> tuple[dict[str, torch.Tensor], str]:
     out: dict[str, torch.Tensor] = {}
     dtypes: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for k in st.keys():
-                if k in out:
-                    raise HFImportError(f"tensor {k} appears in more than one file ({f.name})")
-                t = st.get_tensor(k)
-                dtypes.add(str(t.dtype).removeprefix("torch."))
-                out[k] = t
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for k in st.keys():
+                    if k in out:
+                        raise HFImportError(f"tensor {k} appears in more than one file "
+                                            f"({f.name})")
+                    t = st.get_tensor(k)
+                    dtypes.add(str(t.dtype).removeprefix("torch."))
+                    out[k] = t
+        except SafetensorError as e:
+            raise HFImportError(f"{f}: not a readable safetensors file ({e})") from None
     return out, ",".join(sorted(dtypes))
 
 
@@ -265,9 +269,11 @@ def _common_checks(hf: dict[str, Any], arch: str, model_type: str, allow_unknown
 
 
 def _int(hf: dict[str, Any], key: str, arch: str, default: Any = ...) -> int:
-    v = hf.get(key, None if default is ... else default)
-    if v is None and default is ...:
-        raise HFImportError(f"{arch}: config.json lacks {key}")
+    v = hf.get(key)
+    if v is None:
+        if default is ...:
+            raise HFImportError(f"{arch}: config.json lacks {key}")
+        v = default
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise HFImportError(f"{arch}: {key} must be a positive integer, got {v!r}")
     return v
