@@ -1,0 +1,59 @@
+"""``kvserve export CKPT --out ARTIFACTS``."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .pipeline import PRECISIONS, export_artifacts
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory (kvserve train / import-hf)")
+    parser.add_argument("--out", required=True, help="artifact directory to write")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="fp32 (default, CPU), fp16 (CUDA provider), int8 (CPU, dynamic "
+                             "quantization)")
+    parser.add_argument("--no-attention", action="store_true",
+                        help="skip the attention-diagnostics graphs")
+    parser.add_argument("--parity-steps", type=int, default=64,
+                        help="decode steps in the parity gate (>= 64)")
+    parser.add_argument("--eval-text", default=None,
+                        help="text file for the perplexity figures (default: a stdlib source)")
+    parser.add_argument("--max-ppl-increase", type=float, default=0.10,
+                        help="fail fp16/int8 when perplexity rises more than this fraction")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def main(args) -> int:
+    # The exporter logs a warning per optional torchvision op; users need none of them.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    from .parity import ParityError
+    from .precision import PrecisionError
+
+    try:
+        out = export_artifacts(args.checkpoint, args.out, precision=args.precision,
+                               attention=not args.no_attention, parity_steps=args.parity_steps,
+                               eval_text=args.eval_text, max_ppl_increase=args.max_ppl_increase,
+                               overwrite=args.overwrite, threads=args.threads)
+    except (ParityError, PrecisionError) as e:
+        print(f"kvserve export: FAILED: {e}; no artifact written", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"kvserve export: {e}", file=sys.stderr)
+        return 2
+    m = json.loads((Path(out) / "manifest.json").read_text())
+    p = m["parity"]["fp32"]
+    print(f"exported {out} ({m['precision']}): parity fp32 max |Δlogit| prefill "
+          f"{p['max_abs_logit_prefill']:.2e}, decode {p['max_abs_logit_decode']:.2e} over "
+          f"{p['decode_steps']} steps x {p['batch']} rows, greedy tokens equal: "
+          f"{p['greedy_tokens_equal']}")
+    if m["precision"] != "fp32":
+        q = m["parity"][m["precision"]]
+        print(f"  {m['precision']}: max |Δlogit| {max(q['max_abs_logit_prefill'], q['max_abs_logit_decode']):.2e}, "
+              f"greedy agreement {q['token_agreement']:.3f}")
+    if "perplexity" in m:
+        print("  perplexity: " + ", ".join(f"{k} {v:.4g}" for k, v in m["perplexity"].items()))
+    return 0

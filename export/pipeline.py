@@ -1,0 +1,172 @@
+"""``export_artifacts``: checkpoint -> verified artifact directory, or an exception and nothing.
+
+Steps: export fp32 graphs (one function per spec) -> parity gate against torch -> optional
+precision transform (fp16 / int8) with its own measurements -> manifest -> verify -> atomic
+rename into place. A failed gate leaves no artifact behind.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import torch
+from tqdm import tqdm
+
+import kvserve
+from kvserve.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model
+from kvserve.server.runtime import OnnxLM
+
+from . import precision as prec
+from .manifest import sha256_file, write_manifest
+from .onnx_export import export_graph
+from .parity import FP32_TOLERANCE, gate, measure, parity_prompts
+from .spec import ALL_SPECS, DECODE, OPSET, PREFILL, PRESENT_LAYOUT
+from .verify import verify_artifacts
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp32",
+                     attention: bool = True, parity_steps: int = 64,
+                     eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
+                     overwrite: bool = False, progress: bool = True,
+                     threads: int | None = None) -> Path:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if parity_steps < 64:
+        raise ValueError("the parity gate runs at least 64 decode steps")
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    model = load_model(ckpt)
+    cfg = model.cfg
+    specs = ALL_SPECS if attention else (PREFILL, DECODE)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    work = tmp if precision == "fp32" else tmp / "_fp32"
+    work.mkdir(exist_ok=True)
+    bar = tqdm(total=len(specs) + 3 + (len(specs) + 1 if precision != "fp32" else 0),
+               desc="export", unit="step", disable=not progress, leave=True)
+    try:
+        for spec in specs:
+            bar.set_description(f"export {spec.name}")
+            export_graph(model, spec, work)
+            bar.update()
+        _graphs_manifest(work, cfg, specs)
+        shutil.copy(ckpt / CONFIG, tmp / CONFIG)
+        if (ckpt / TOKENIZER).is_file():
+            shutil.copy(ckpt / TOKENIZER, tmp / TOKENIZER)
+        if work is not tmp:
+            shutil.copy(ckpt / CONFIG, work / CONFIG)
+
+        bar.set_description("parity fp32")
+        prompts = parity_prompts(cfg.vocab_size)
+        lm32 = OnnxLM(work, provider="cpu", threads=threads, attention=attention)
+        report32 = measure(model, lm32, prompts, parity_steps, attention=attention)
+        gate(report32, FP32_TOLERANCE)
+        bar.update()
+        parity = {"fp32": report32.to_dict()}
+        eval_ids = _eval_ids(ckpt, eval_text, cfg)
+        ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
+
+        if precision != "fp32":
+            for spec in specs:
+                bar.set_description(f"{precision} {spec.name}")
+                prec.convert(work / spec.filename, tmp / spec.filename, precision)
+                bar.update()
+            del lm32
+            shutil.rmtree(work)
+            _graphs_manifest(tmp, cfg, specs)
+            bar.set_description(f"parity {precision}")
+            lm = OnnxLM(tmp, provider="cpu", threads=threads, attention=attention)
+            report = measure(model, lm, prompts, parity_steps, attention=False)
+            if precision == "fp16":
+                gate(report, prec.FP16_TOLERANCE, require_tokens=False)
+            parity[precision] = report.to_dict()
+            if eval_ids:
+                ppl[precision] = prec.perplexity(lm, eval_ids, cfg.max_seq_len)
+                change = ppl[precision] / ppl["fp32"] - 1.0
+                ppl["relative_change"] = change
+                if not np.isfinite(change) or change > max_ppl_increase:
+                    raise prec.PrecisionError(
+                        f"{precision} raises validation perplexity by {change:+.1%} "
+                        f"(> {max_ppl_increase:.0%} allowed)")
+            bar.update()
+
+        bar.set_description("manifest")
+        write_manifest(tmp, _manifest_content(ckpt, cfg, specs, precision, parity, ppl,
+                                              eval_ids))
+        verify_artifacts(tmp)
+        bar.update()
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+        bar.set_description("done")
+        bar.update()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+    return out
+
+
+def _graphs_manifest(root: Path, cfg, specs) -> None:
+    """The runtime finds graphs through the manifest; a provisional one serves until the end."""
+    (root / "manifest.json").write_text(json.dumps({"graphs": _graph_entries(cfg, specs)}))
+
+
+def _graph_entries(cfg, specs) -> dict:
+    return {s.name: {"file": s.filename, "inputs": s.input_names(cfg),
+                     "outputs": s.output_names(cfg), "io": s.io_shapes(cfg)} for s in specs}
+
+
+def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
+    """Token ids for the perplexity figures: --eval-text, else a fixed stdlib source file."""
+    if not (ckpt / TOKENIZER).is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    if eval_text is None:
+        import sysconfig
+        eval_text = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+        if not eval_text.is_file():
+            return None
+    text = Path(eval_text).read_text(encoding="utf-8", errors="replace")
+    ids = Tokenizer.from_file(str(ckpt / TOKENIZER)).encode(text).ids
+    ids = [i for i in ids if i < cfg.vocab_size][:4096]
+    return ids if len(ids) >= 16 else None
+
+
+def _manifest_content(ckpt, cfg, specs, precision, parity, ppl, eval_ids) -> dict:
+    content = {
+        "producer": {"kvserve": kvserve.__version__, "torch": torch.__version__,
+                     "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
+                     "python": platform.python_version()},
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "precision": precision,
+        "opset": OPSET,
+        "present_layout": PRESENT_LAYOUT,
+        "kv_dtype": "float32",
+        "model": {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+                  "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+                  "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+                  "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id},
+        "graphs": _graph_entries(cfg, specs),
+        "parity": parity,
+        "source": {"checkpoint": ckpt.name, "weights_sha256": sha256_file(ckpt / WEIGHTS)},
+    }
+    if ppl:
+        content["perplexity"] = {**ppl, "eval_tokens": len(eval_ids)}
+    return content

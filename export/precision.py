@@ -1,0 +1,90 @@
+"""Precision transforms of exported fp32 graphs, and the perplexity used to judge them.
+
+- fp16: weights and compute in float16, graph inputs/outputs (and so the KV buffers) stay
+  float32 (``keep_io_types``). Meant for the CUDA provider; on the CPU provider onnxruntime
+  inserts casts around ops without fp16 kernels, so it runs there (that is how parity is
+  measured) but is not faster.
+- int8: ``onnxruntime.quantization.quantize_dynamic`` (weights int8, activations quantized
+  per call): the documented CPU speed route.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from kvserve.model.sampling import log_softmax
+from kvserve.server.runtime import OnnxLM
+
+log = logging.getLogger(__name__)
+
+FP16_TOLERANCE = 5e-2  # max |Δlogit| vs the fp32 torch model, measured on CPU
+
+
+class PrecisionError(RuntimeError):
+    pass
+
+
+def convert(src: Path, dst: Path, precision: str) -> None:
+    data_name = dst.name + ".data"
+    if precision == "fp16":
+        from onnxruntime.transformers.float16 import convert_float_to_float16
+
+        model = onnx.load(str(src))  # with external data
+        model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+        _toposort(model.graph)  # the converter appends its input casts after their users
+        onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
+                  all_tensors_to_one_file=True, size_threshold=1024)
+    elif precision == "int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
+                         use_external_data_format=True,
+                         extra_options={"MatMulConstBOnly": True})
+        # quantize_dynamic names the data file after dst; make it <name>.onnx.data
+        model = onnx.load(str(dst))
+        for p in dst.parent.glob(dst.name + "*"):
+            if p != dst:
+                p.unlink()
+        onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
+                  all_tensors_to_one_file=True, size_threshold=1024)
+    else:
+        raise ValueError(f"unknown precision {precision!r}")
+
+
+def _toposort(graph: onnx.GraphProto) -> None:
+    """Reorder nodes so every input is produced before it is used (onnx.checker needs it)."""
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        rest = []
+        for node in pending:
+            if all(i in known for i in node.input):
+                ordered.append(node)
+                known.update(node.output)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):
+            raise PrecisionError("fp16 conversion produced a graph with a cycle or a "
+                                 "missing input")
+        pending = rest
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def perplexity(lm: OnnxLM, ids: list[int], window: int) -> float:
+    """Perplexity of ``ids`` through the prefill graph, in non-overlapping windows."""
+    window = max(2, min(window, 512))
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = np.asarray(ids[start:start + window + 1], dtype=np.int64)
+        if len(chunk) < 2:
+            break
+        x = chunk[None, :-1]
+        out = lm.prefill(x, np.ones_like(x))
+        lp = log_softmax(out.logits[0])  # (T, V)
+        nll -= float(lp[np.arange(len(chunk) - 1), chunk[1:]].sum())
+        count += len(chunk) - 1
+    return float(np.exp(nll / count))

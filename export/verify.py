@@ -1,0 +1,144 @@
+"""``kvserve verify ARTIFACTS``: the artifact is exactly what the manifest says, or nothing loads.
+
+Checks, in order: the directory and manifest are sane; every listed file stays inside the
+directory (no absolute path, no ``..``, no symlink anywhere on its path) and matches its size
+and sha256; no unlisted files; each graph passes ``onnx.checker``, has the manifest's I/O, and
+keeps its external-data locations inside the directory and listed. The server runs the same
+function before loading. Torch-free.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from .manifest import MANIFEST, list_files, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+class VerifyError(Exception):
+    """The artifact does not match its manifest; the message says what and where."""
+
+
+def _safe_relpath(root: Path, rel: str, what: str) -> Path:
+    p = PurePosixPath(rel)
+    if not rel or p.is_absolute() or "\\" in rel or any(part in ("..", "") for part in p.parts) \
+            or os.path.isabs(rel):
+        raise VerifyError(f"{what} {rel!r} escapes the artifact directory")
+    path = root
+    for part in p.parts:
+        path = path / part
+        if path.is_symlink():
+            raise VerifyError(f"{what} {rel!r} goes through a symlink ({path.name}); symlinks "
+                              f"are refused")
+    resolved = path.resolve()
+    if root.resolve() not in resolved.parents:
+        raise VerifyError(f"{what} {rel!r} escapes the artifact directory")
+    return path
+
+
+def verify_artifacts(root: str | Path, check_graphs: bool = True) -> dict[str, Any]:
+    root = Path(root)
+    if root.is_symlink():
+        raise VerifyError(f"artifact directory {root} is a symlink; refused")
+    if not root.is_dir():
+        raise VerifyError(f"artifact directory {root} does not exist")
+    mpath = root / MANIFEST
+    if mpath.is_symlink() or not mpath.is_file():
+        raise VerifyError(f"{root} has no {MANIFEST} (not an exported artifact)")
+    try:
+        manifest = json.loads(mpath.read_text())
+        files: dict[str, dict] = manifest["files"]
+        graphs: dict[str, dict] = manifest["graphs"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise VerifyError(f"{MANIFEST} is malformed ({type(e).__name__})") from None
+
+    for rel, entry in files.items():
+        path = _safe_relpath(root, rel, "manifest file")
+        if not path.is_file():
+            raise VerifyError(f"{rel} is listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise VerifyError(f"{rel} has {size} bytes, the manifest says {entry.get('bytes')} "
+                              f"(truncated or replaced)")
+        if sha256_file(path) != entry.get("sha256"):
+            raise VerifyError(f"{rel} does not match its sha256 in the manifest (modified)")
+    for p in root.rglob("*"):
+        if p.is_symlink():
+            raise VerifyError(f"{p.relative_to(root).as_posix()} is a symlink; refused")
+    extra = sorted(set(list_files(root)) - set(files))
+    if extra:
+        raise VerifyError(f"files not in the manifest: {', '.join(extra)}")
+
+    for name, g in graphs.items():
+        rel = g.get("file", "")
+        path = _safe_relpath(root, rel, f"graph {name}")
+        if rel not in files:
+            raise VerifyError(f"graph {name} file {rel!r} is not hashed in the manifest")
+        if check_graphs:
+            _check_graph(root, path, name, g, files)
+    return manifest
+
+
+def _check_graph(root: Path, path: Path, name: str, g: dict, files: dict) -> None:
+    import onnx  # deferred: `kvserve verify --no-graphs` and imports stay light
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:
+        raise VerifyError(f"graph {name} ({path.name}) is not a readable ONNX model") from None
+    for tensor in _all_tensors(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            loc = {e.key: e.value for e in tensor.external_data}.get("location", "")
+            _safe_relpath(path.parent, loc, f"graph {name} external data location")
+            rel = (path.parent / loc).relative_to(root).as_posix()
+            if rel not in files:
+                raise VerifyError(f"graph {name} external data {loc!r} is not in the manifest")
+    try:
+        onnx.checker.check_model(str(path))
+    except Exception as e:
+        raise VerifyError(f"graph {name} fails onnx.checker: {str(e).splitlines()[0][:200]}") \
+            from None
+    want_in, want_out = g.get("inputs"), g.get("outputs")
+    got_in = [i.name for i in model.graph.input]
+    got_out = [o.name for o in model.graph.output]
+    if want_in is not None and got_in != list(want_in):
+        raise VerifyError(f"graph {name} inputs {got_in} differ from the manifest")
+    if want_out is not None and got_out != list(want_out):
+        raise VerifyError(f"graph {name} outputs {got_out} differ from the manifest")
+
+
+def _all_tensors(graph):
+    yield from graph.initializer
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("g"):
+                yield from _all_tensors(attr.g)
+            for sub in attr.graphs:
+                yield from _all_tensors(sub)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("artifacts", help="artifact directory written by `kvserve export`")
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="only check hashes and paths, skip onnx.checker")
+
+
+def main(args) -> int:
+    try:
+        manifest = verify_artifacts(args.artifacts, check_graphs=not args.no_graphs)
+    except VerifyError as e:
+        print(f"kvserve verify: FAILED: {e}", file=sys.stderr)
+        return 1
+    n = len(manifest["files"])
+    print(f"kvserve verify: OK: {n} files match their sha256, graphs "
+          f"{', '.join(sorted(manifest['graphs']))} pass onnx.checker "
+          f"(precision {manifest.get('precision', '?')})")
+    return 0
