@@ -1,0 +1,195 @@
+"""Assemble the server: verify and load the artifact, engine, gRPC server (auth, TLS, health,
+reflection, limits), warm-up, metrics; and the drain on shutdown."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve import __version__
+from kvserve.model.tokenizer import Tokenizer
+from kvserve.v1 import inference_pb2 as pb
+from kvserve.v1 import inference_pb2_grpc as pb_grpc
+
+from .auth import BearerTokenInterceptor
+from .config import ServerConfig
+from .detok import TokenBytes
+from .domain import GenerateRequest, OutputParams, StopParams
+from .engine import Engine
+from .metrics import Metrics, MetricsServer
+from .runtime import OnnxLM
+from .servicer import InferenceServicer, ServingState, model_info
+from .validation import Limits
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # kvserve.v1.Inference
+
+
+class ArtifactError(Exception):
+    """The artifact directory cannot be served; the message says why."""
+
+
+def verify(artifact_dir: Path) -> None:
+    try:
+        from kvserve.export.verify import VerifyError, verify_artifacts
+    except ImportError as e:  # pragma: no cover - the export package ships with the server
+        raise ArtifactError(f"cannot verify artifacts: {e}") from None
+    try:
+        verify_artifacts(artifact_dir)
+    except VerifyError as e:
+        raise ArtifactError(str(e)) from None
+
+
+class App:
+    def __init__(self, artifact_dir: str | Path, cfg: ServerConfig):
+        self.dir, self.cfg = Path(artifact_dir), cfg
+        self.state = ServingState()
+        self.metrics = Metrics()
+        self.server: grpc.Server | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.port = 0
+
+    # --- load ------------------------------------------------------------------------------
+    def load(self) -> None:
+        t0 = time.monotonic()
+        if self.cfg.verify:
+            verify(self.dir)
+        try:
+            self.lm = OnnxLM(self.dir, provider=self.cfg.provider,
+                             threads=self.cfg.threads or None,
+                             attention=self.cfg.attention and self._has_attention_graphs())
+            self.tokenizer = Tokenizer.from_file(self.dir / "tokenizer.json")
+        except (OSError, ValueError, KeyError) as e:
+            raise ArtifactError(f"cannot load {self.dir}: {e}") from None
+        mcfg = self.lm.cfg
+        from tokenizers import Tokenizer as HFTokenizer
+        self.token_bytes = TokenBytes(HFTokenizer.from_str(self.tokenizer.to_str()),
+                                      mcfg.vocab_size)
+        eos = mcfg.eos_token_id
+        if eos is None and self.tokenizer.eos_id < mcfg.vocab_size:
+            eos = self.tokenizer.eos_id
+        self.eos_id = eos
+        self.limits = Limits.make(self.cfg, mcfg.vocab_size, mcfg.n_layers, mcfg.n_heads,
+                                  mcfg.max_seq_len)
+        self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
+                             max_queue=self.cfg.max_queue,
+                             prefill_floats=self.cfg.score_chunk_floats, eos_id=eos,
+                             request_time_limit=self.cfg.request_time_limit,
+                             metrics=self.metrics)
+        sha = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()
+        self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__)
+        log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",
+                 self.dir, time.monotonic() - t0, mcfg.n_layers, mcfg.vocab_size,
+                 self.lm.provider, self.lm.has_attention)
+
+    def _has_attention_graphs(self) -> bool:
+        graphs = json.loads((self.dir / "manifest.json").read_text()).get("graphs", {})
+        return "prefill_attn" in graphs and "decode_attn" in graphs
+
+    # --- serve -----------------------------------------------------------------------------
+    def _message_limit(self) -> int:
+        c, m = self.cfg, self.lm.cfg
+        per_chunk = 4 * (m.vocab_size + c.max_attention_floats) + 64 * (c.max_top_logprobs + 1)
+        score = c.max_score_tokens * (24 + 32 * c.max_top_logprobs)
+        return max(4 << 20, per_chunk, score, 4 * c.max_prompt_chars * 4) + (1 << 20)
+
+    def start(self) -> int:
+        c = self.cfg
+        interceptors = [BearerTokenInterceptor(c.auth_token)] if c.auth_token else []
+        limit = self._message_limit()
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.so_reuseport", 0),
+        ]
+        workers = c.concurrent_rpcs + 4
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                             thread_name_prefix="kvserve-rpc"),
+                                  interceptors=interceptors, options=options,
+                                  maximum_concurrent_rpcs=c.concurrent_rpcs)
+        self.servicer = InferenceServicer(self.engine, self.tokenizer, self.token_bytes,
+                                          self.limits, self.state, self.metrics)
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), self.server)
+        addr = f"{c.host}:{c.port}"
+        if c.tls_cert:
+            creds = grpc.ssl_server_credentials(
+                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])
+            self.port = self.server.add_secure_port(addr, creds)
+        else:
+            self.port = self.server.add_insecure_port(addr)
+        if not self.port:
+            raise OSError(f"cannot listen on {addr}")
+        self.server.start()
+        log.info("gRPC listening on %s:%d (%s%s), max message %d bytes", c.host, self.port,
+                 "TLS" if c.tls_cert else "plaintext", ", auth" if c.auth_token else "", limit)
+        if c.metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.metrics, c.host, c.metrics_port)
+            self.metrics_server.start()
+        self.engine.start()
+        t0 = time.monotonic()
+        self.engine.warmup(self._warmup_request)
+        log.info("warm-up done in %.2fs", time.monotonic() - t0)
+        self.state.ready = True
+        for name in ("", SERVICE):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if c.port_file:
+            self._write_port_file()
+        return self.port
+
+    def _warmup_request(self, attention: bool) -> GenerateRequest:
+        from kvserve.model.sampling import SamplingParams
+
+        m = self.lm.cfg
+        out = OutputParams(logprobs=True, top_logprobs=2,
+                           attention_layers=(0,) if attention else (),
+                           attention_heads=(0,) if attention else ())
+        return GenerateRequest(prompt_ids=[i % m.vocab_size for i in range(4)],
+                               sampling=SamplingParams(temperature=1.0, top_k=8, seed=0),
+                               stopping=StopParams(max_new_tokens=3, ignore_eos=True),
+                               output=out, request_id="warmup")
+
+    def _write_port_file(self) -> None:
+        p = Path(self.cfg.port_file)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(json.dumps({"port": self.port, "metrics_port":
+                                   self.metrics_server.port if self.metrics_server else None,
+                                   "pid": os.getpid()}))
+        tmp.replace(p)
+
+    # --- stop ------------------------------------------------------------------------------
+    def drain(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING, refuse new calls (UNAVAILABLE), let in-flight calls finish
+        within ``grace`` seconds, then stop."""
+        grace = self.cfg.drain_grace if grace is None else grace
+        log.info("draining: refusing new calls, %.1fs grace for %s", grace,
+                 self.engine.load() if hasattr(self, "engine") else {})
+        self.state.draining = True
+        if self.server is not None:
+            self.health.enter_graceful_shutdown()
+            self.engine.stop_accepting()
+            self.server.stop(grace).wait()
+        if hasattr(self, "engine"):
+            self.engine.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+        log.info("stopped")

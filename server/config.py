@@ -1,0 +1,150 @@
+"""ServerConfig: every server setting, each settable by a flag and by an env var KVSERVE_<NAME>.
+
+Precedence: command-line flag > environment variable > default. The flag of field ``max_batch``
+is ``--max-batch``; its env var is ``KVSERVE_MAX_BATCH``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "KVSERVE_"
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerConfig:
+    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = _opt(50051, "gRPC port (0 = pick a free one)")
+    metrics_port: int = _opt(-1, "Prometheus metrics HTTP port (0 = pick a free one, "
+                                 "-1 = off)")
+    port_file: str = _opt("", "write the bound gRPC (and metrics) port here as JSON once serving")
+    provider: str = _opt("auto", "onnxruntime execution provider", choices=("auto", "cpu", "cuda"))
+    threads: int = _opt(0, "onnxruntime intra-op threads (0 = automatic)")
+    max_batch: int = _opt(8, "sequences decoded together in one step")
+    max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED")
+    max_context: int = _opt(0, "prompt + new tokens per sequence (0 = the model's max_seq_len)")
+    default_max_new_tokens: int = _opt(64, "max_new_tokens when a request leaves it at 0")
+    max_new_tokens: int = _opt(1024, "upper bound of max_new_tokens")
+    max_prompt_chars: int = _opt(200_000, "upper bound of a text prompt, in characters")
+    max_stop_strings: int = _opt(8, "stop strings per request")
+    max_stop_string_chars: int = _opt(128, "characters per stop string")
+    max_stop_token_ids: int = _opt(32, "stop token ids per request")
+    max_top_logprobs: int = _opt(20, "top_logprobs per token")
+    max_logits_floats: int = _opt(4_000_000, "return_logits: max_new_tokens x vocab floats "
+                                             "per request")
+    max_attention_floats: int = _opt(4_000_000, "attention diagnostics: floats per request")
+    max_score_sequences: int = _opt(32, "sequences per Score call")
+    max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together")
+    score_chunk_floats: int = _opt(8_000_000, "Score: logits floats held at once (prefill "
+                                              "chunk x vocab); the rest is decoded step by step")
+    max_temperature: float = _opt(100.0, "upper bound of temperature")
+    max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty")
+    max_abs_penalty: float = _opt(100.0, "bound of |presence_penalty| and |frequency_penalty|")
+    request_time_limit: float = _opt(0.0, "seconds a Generate may run (0 = no server limit; "
+                                          "the caller's deadline always applies)")
+    max_concurrent_rpcs: int = _opt(0, "gRPC calls in progress (0 = max_batch + max_queue + 16)")
+    drain_grace: float = _opt(30.0, "seconds in-flight calls get to finish after SIGTERM")
+    tls_cert: str = _opt("", "PEM certificate chain (enables TLS with --tls-key)")
+    tls_key: str = _opt("", "PEM private key")
+    auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "
+                               "prefer the env var KVSERVE_AUTH_TOKEN over the flag")
+    attention: bool = _opt(True, "load the attention-diagnostics graphs when present")
+    verify: bool = _opt(True, "verify the artifact against its manifest before loading")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"invalid server config: {msg}")
+
+        need(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        need(-1 <= self.metrics_port <= 65535, "metrics_port must be in [-1, 65535]")
+        need(self.provider in ("auto", "cpu", "cuda"), "provider must be auto, cpu or cuda")
+        need(self.threads >= 0, "threads must be >= 0")
+        need(1 <= self.max_batch <= 1024, "max_batch must be in [1, 1024]")
+        need(0 <= self.max_queue <= 100_000, "max_queue must be in [0, 100000]")
+        need(self.max_context >= 0, "max_context must be >= 0")
+        need(1 <= self.max_new_tokens, "max_new_tokens must be >= 1")
+        need(1 <= self.default_max_new_tokens <= self.max_new_tokens,
+             "default_max_new_tokens must be in [1, max_new_tokens]")
+        for name in ("max_prompt_chars", "max_stop_string_chars", "max_score_sequences",
+                     "max_score_tokens", "score_chunk_floats"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1")
+        for name in ("max_stop_strings", "max_stop_token_ids", "max_top_logprobs",
+                     "max_logits_floats", "max_attention_floats", "max_concurrent_rpcs"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0")
+        need(self.max_temperature > 0, "max_temperature must be > 0")
+        need(self.max_repetition_penalty >= 1, "max_repetition_penalty must be >= 1")
+        need(self.max_abs_penalty >= 0, "max_abs_penalty must be >= 0")
+        need(self.request_time_limit >= 0, "request_time_limit must be >= 0")
+        need(self.drain_grace >= 0, "drain_grace must be >= 0")
+        need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
+
+    @property
+    def concurrent_rpcs(self) -> int:
+        return self.max_concurrent_rpcs or (self.max_batch + self.max_queue + 16)
+
+    # --- flags and env ----------------------------------------------------------------------
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            env = ENV_PREFIX + f.name.upper()
+            help_ = f"{f.metadata.get('help', '')} (env {env}; default {f.default!r})"
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, dest=f.name, default=None,
+                                    action=argparse.BooleanOptionalAction, help=help_)
+            else:
+                typ = {"int": int, "float": float, "str": str}[str(f.type)]
+                parser.add_argument(flag, dest=f.name, default=None, type=typ, help=help_,
+                                    choices=f.metadata.get("choices"))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None = None,
+                  environ: dict[str, str] | None = None) -> "ServerConfig":
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            v = getattr(args, f.name, None) if args is not None else None
+            if v is None:
+                raw = environ.get(ENV_PREFIX + f.name.upper())
+                if raw is not None and raw != "":
+                    v = _parse_env(f, raw)
+            if v is not None:
+                values[f.name] = v
+        return cls(**values)
+
+    def public_dict(self) -> dict[str, Any]:
+        """For logs: no secrets."""
+        d = dataclasses.asdict(self)
+        d["auth_token"] = "***" if self.auth_token else ""
+        return d
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    name = ENV_PREFIX + f.name.upper()
+    t = str(f.type)
+    try:
+        if t == "bool":
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t == "int":
+            return int(raw)
+        if t == "float":
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"invalid server config: {name}={raw!r} is not a valid {t}") from None

@@ -1,0 +1,272 @@
+"""The gRPC servicer: protobuf <-> domain types, domain errors -> status codes. Thin on purpose:
+validation lives in ``validation``, the work in ``engine``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvserve.v1 import inference_pb2 as pb
+from kvserve.v1 import inference_pb2_grpc as pb_grpc
+
+from . import validation as V
+from .domain import (FinishEvent, FinishReason, GenerateRequest, InvalidArgument, QueueFull,
+                     ServingError, TokenEvent, Unavailable, Unimplemented)
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENIZE_TEXTS = 1024
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.STOP_TOKEN: pb.FINISH_REASON_STOP_TOKEN,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+_STATUS = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+}
+
+
+@dataclass
+class ServingState:
+    """Set by the app: ``ready`` after warm-up, ``draining`` after SIGTERM."""
+    ready: bool = False
+    draining: bool = False
+    info: dict = field(default_factory=dict)
+
+
+def _abort(context: grpc.ServicerContext, e: ServingError):
+    context.abort(_STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, engine, tokenizer, token_bytes, limits: V.Limits, state: ServingState,
+                 metrics=None):
+        self.engine, self.tok, self.tb = engine, tokenizer, token_bytes
+        self.lim, self.state, self.metrics = limits, state, metrics
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _gate(self) -> None:
+        if self.state.draining:
+            raise Unavailable("the server is shutting down; retry on another replica")
+        if not self.state.ready:
+            raise Unavailable("the model is still loading; retry shortly")
+
+    def _prompt_ids(self, text: str | None, ids) -> list[int]:
+        if text is not None:
+            return self.tok.encode(V.check_text("text", text, self.lim))
+        return V.check_ids("token_ids", ids, self.lim, max_len=self.lim.max_context)
+
+    @staticmethod
+    def _deadline(context) -> float | None:
+        rem = context.time_remaining()
+        return None if rem is None else time.monotonic() + max(0.0, rem)
+
+    def _count(self, rpc: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.inc(rpc=rpc, outcome=outcome)
+
+    # --- Generate ------------------------------------------------------------------------------
+    def _generate_request(self, r: pb.GenerateRequest, context) -> GenerateRequest:
+        which = r.WhichOneof("prompt")
+        if which is None:
+            raise InvalidArgument("the prompt is empty: set text or token_ids")
+        ids = self._prompt_ids(r.text if which == "text" else None,
+                               r.token_ids.ids if which == "token_ids" else None)
+        s, st, o = r.sampling, r.stopping, r.response
+        sampling = V.sampling_params(
+            temperature=s.temperature, top_k=s.top_k,
+            top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            seed=s.seed if s.HasField("seed") else None, lim=self.lim)
+        stopping = V.stop_params(prompt_len=len(ids), max_new_tokens=st.max_new_tokens,
+                                 min_new_tokens=st.min_new_tokens, stop=list(st.stop),
+                                 stop_token_ids=list(st.stop_token_ids),
+                                 ignore_eos=st.ignore_eos, lim=self.lim)
+        output = V.output_params(prompt_len=len(ids), max_new_tokens=stopping.max_new_tokens,
+                                 logprobs=o.logprobs, top_logprobs=o.top_logprobs,
+                                 return_logits=o.return_logits,
+                                 attention_layers=list(o.attention.layers),
+                                 attention_heads=list(o.attention.heads),
+                                 attention_available=self.engine.lm.has_attention, lim=self.lim)
+        return GenerateRequest(ids, sampling, stopping, output,
+                               request_id=V.check_request_id(r.request_id),
+                               deadline=self._deadline(context))
+
+    def _chunk(self, ev: TokenEvent) -> pb.GenerateResponse:
+        c = pb.TokenChunk(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)
+        if ev.logprob is not None:
+            c.logprob = ev.logprob
+        if ev.top_ids is not None:
+            c.top_logprobs.extend(
+                pb.TopLogprob(id=int(i), logprob=float(lp), text=self._token_text(int(i)))
+                for i, lp in zip(ev.top_ids, ev.top_logprobs))
+        if ev.logits is not None:
+            c.logits.extend(ev.logits.tolist())
+        for layer, head, row in ev.attention:
+            c.attention.add(layer=layer, head=head, weights=row.tolist())
+        return pb.GenerateResponse(chunk=c)
+
+    def _token_text(self, i: int) -> str:
+        return self.tb[i].decode("utf-8", errors="replace")
+
+    def Generate(self, request, context):  # noqa: N802
+        try:
+            self._gate()
+            req = self._generate_request(request, context)
+            handle = self.engine.submit(req)
+        except ServingError as e:
+            self._count("Generate", type(e).__name__)
+            _abort(context, e)
+        context.add_callback(handle.cancel)  # client gone / deadline: free the slot
+        rid = handle.request_id
+        while True:
+            try:
+                ev = handle.events.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    handle.cancel()
+                continue
+            if isinstance(ev, TokenEvent):
+                yield self._chunk(ev)
+                continue
+            assert isinstance(ev, FinishEvent)
+            if ev.reason is FinishReason.TIME_LIMIT:
+                rem = context.time_remaining()
+                if rem is not None and rem <= 0.05:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"deadline exceeded after {ev.generated_tokens} tokens")
+            if ev.reason is FinishReason.CANCELLED and ev.error:
+                context.abort(grpc.StatusCode.UNAVAILABLE, ev.error)
+            yield pb.GenerateResponse(complete=pb.Complete(
+                finish_reason=_FINISH[ev.reason], stop_sequence=ev.stop_sequence,
+                stop_token_id=ev.stop_token_id or 0, prompt_tokens=ev.prompt_tokens,
+                generated_tokens=ev.generated_tokens, request_id=rid, text=ev.text,
+                error=ev.error,
+                timings=pb.Timings(queue_seconds=ev.timings.queue,
+                                   time_to_first_token_seconds=ev.timings.ttft,
+                                   total_seconds=ev.timings.total)))
+            if ev.reason is FinishReason.ERROR:
+                context.abort(grpc.StatusCode.INTERNAL, "generation failed (internal error); "
+                                                        f"request {rid}")
+            return
+
+    # --- Score ---------------------------------------------------------------------------------
+    def Score(self, request, context):  # noqa: N802
+        try:
+            self._gate()
+            if request.texts and request.token_ids:
+                raise InvalidArgument("give texts or token_ids, not both")
+            if len(request.texts) > self.lim.cfg.max_score_sequences or \
+                    len(request.token_ids) > self.lim.cfg.max_score_sequences:
+                raise InvalidArgument(f"the limit is {self.lim.cfg.max_score_sequences} "
+                                      f"sequences per call")
+            seqs = [self._prompt_ids(t, None) for t in request.texts] or \
+                [list(s.ids) for s in request.token_ids]
+            req = V.score_request(seqs, request.top_logprobs, request.request_id, self.lim)
+            req.deadline = self._deadline(context)
+            handle, fut = self.engine.submit_score(req)
+        except ServingError as e:
+            self._count("Score", type(e).__name__)
+            _abort(context, e)
+        context.add_callback(handle.cancel)
+        try:
+            results = fut.result()
+        except Exception as e:  # noqa: BLE001
+            if fut.cancelled():
+                rem = context.time_remaining()
+                if rem is not None and rem <= 0.05:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                context.abort(grpc.StatusCode.CANCELLED, "cancelled")
+            if isinstance(e, ServingError):
+                _abort(context, e)
+            log.error("score %s failed: %s", handle.request_id, e)
+            context.abort(grpc.StatusCode.INTERNAL, "scoring failed (internal error)")
+        out = pb.ScoreResponse()
+        for r in results:
+            s = out.sequences.add(token_count=r.token_count, sum_logprob=r.sum,
+                                  mean_logprob=r.mean, perplexity=r.perplexity)
+            for j, (tid, lp) in enumerate(zip(r.ids.tolist(), r.logprobs.tolist())):
+                t = s.tokens.add(id=tid, logprob=lp)
+                if r.top_ids is not None:
+                    t.top_logprobs.extend(
+                        pb.TopLogprob(id=int(i), logprob=float(v), text=self._token_text(int(i)))
+                        for i, v in zip(r.top_ids[j], r.top_logprobs[j]))
+        if self.metrics is not None:
+            self.metrics.scored.inc(sum(r.token_count for r in results))
+        self._count("Score", "ok")
+        return out
+
+    # --- tokenizer -----------------------------------------------------------------------------
+    def Tokenize(self, request, context):  # noqa: N802
+        try:
+            self._gate()
+            if len(request.texts) > MAX_TOKENIZE_TEXTS:
+                raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
+            texts = [V.check_text(f"texts[{i}]", t, self.lim) for i, t in
+                     enumerate(request.texts)]
+            total = sum(map(len, texts))
+            if total > self.lim.cfg.max_prompt_chars * 4:
+                raise InvalidArgument(f"{total} characters in all; the limit is "
+                                      f"{self.lim.cfg.max_prompt_chars * 4}")
+        except ServingError as e:
+            _abort(context, e)
+        ids = self.tok.encode_batch(texts) if texts else []
+        return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=x) for x in ids])
+
+    def Detokenize(self, request, context):  # noqa: N802
+        try:
+            self._gate()
+            if len(request.token_ids) > MAX_TOKENIZE_TEXTS:
+                raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} sequences per call")
+            seqs = [V.check_ids(f"token_ids[{i}]", s.ids, self.lim,
+                                max_len=self.lim.cfg.max_score_tokens)
+                    for i, s in enumerate(request.token_ids)]
+        except ServingError as e:
+            _abort(context, e)
+        return pb.DetokenizeResponse(texts=[self.tok.decode(s) for s in seqs])
+
+    def ModelInfo(self, request, context):  # noqa: N802
+        try:
+            self._gate()
+        except ServingError as e:
+            _abort(context, e)
+        return self.state.info["model_info"]
+
+
+def model_info(lm, limits: V.Limits, manifest_sha256: str, eos_id: int | None,
+               version: str) -> pb.ModelInfoResponse:
+    c, cfg = lm.cfg, limits.cfg
+    lim = pb.Limits(
+        max_context=limits.max_context, max_new_tokens=cfg.max_new_tokens,
+        max_batch=cfg.max_batch, max_queue=cfg.max_queue, max_stop_strings=cfg.max_stop_strings,
+        max_stop_string_chars=cfg.max_stop_string_chars,
+        max_stop_token_ids=cfg.max_stop_token_ids, max_top_logprobs=cfg.max_top_logprobs,
+        max_logits_floats=cfg.max_logits_floats, max_attention_floats=cfg.max_attention_floats,
+        max_prompt_chars=cfg.max_prompt_chars, max_score_sequences=cfg.max_score_sequences,
+        max_score_tokens=cfg.max_score_tokens, max_temperature=cfg.max_temperature,
+        max_repetition_penalty=cfg.max_repetition_penalty,
+        max_abs_presence_frequency_penalty=cfg.max_abs_penalty)
+    return pb.ModelInfoResponse(
+        config_json=json.dumps(c.to_dict(), sort_keys=True), vocab_size=c.vocab_size,
+        n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
+        max_seq_len=c.max_seq_len, eos_token_id=-1 if eos_id is None else eos_id,
+        provider=lm.provider,
+        graphs={k: v.get("file", "") for k, v in lm.manifest.get("graphs", {}).items()},
+        manifest_sha256=manifest_sha256, attention_available=lm.has_attention, limits=lim,
+        version=version)
+

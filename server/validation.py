@@ -1,0 +1,181 @@
+"""Every field a caller sends, bounded. Errors name the field and the limit (INVALID_ARGUMENT).
+
+Input here is plain Python values (the servicer unpacks protobuf); output is domain types.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvserve.model.sampling import SamplingParams
+
+from .config import ServerConfig
+from .domain import InvalidArgument, OutputParams, ScoreRequest, StopParams, Unimplemented
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_SEED = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds of one server on one model (ModelInfo reports them)."""
+    vocab_size: int
+    n_layers: int
+    n_heads: int
+    max_context: int
+    cfg: ServerConfig
+
+    @classmethod
+    def make(cls, cfg: ServerConfig, vocab_size: int, n_layers: int, n_heads: int,
+             max_seq_len: int) -> "Limits":
+        ctx = min(cfg.max_context, max_seq_len) if cfg.max_context else max_seq_len
+        return cls(vocab_size, n_layers, n_heads, ctx, cfg)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise InvalidArgument(msg)
+
+
+def _finite(name: str, v: float) -> float:
+    _need(isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number")
+    return float(v)
+
+
+def check_request_id(rid: str) -> str:
+    _need(len(rid) <= MAX_REQUEST_ID_CHARS and rid.isprintable(),
+          f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters")
+    return rid
+
+
+def check_text(name: str, text: str, lim: Limits) -> str:
+    _need(len(text) <= lim.cfg.max_prompt_chars,
+          f"{name} has {len(text)} characters; the limit is {lim.cfg.max_prompt_chars}")
+    return text
+
+
+def check_ids(name: str, ids: Sequence[int], lim: Limits, max_len: int | None = None) -> list[int]:
+    ids = [int(i) for i in ids]
+    bad = next((i for i in ids if not 0 <= i < lim.vocab_size), None)
+    _need(bad is None, f"{name} contains token id {bad}, outside the vocabulary "
+                       f"[0, {lim.vocab_size})")
+    if max_len is not None:
+        _need(len(ids) <= max_len, f"{name} has {len(ids)} tokens; the limit is {max_len}")
+    return ids
+
+
+def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    seed: int | None = None, lim: Limits) -> SamplingParams:
+    c = lim.cfg
+    t = _finite("sampling.temperature", temperature)
+    _need(0.0 <= t <= c.max_temperature,
+          f"sampling.temperature must be in [0, {c.max_temperature}] (0 = greedy)")
+    _need(0 <= top_k <= lim.vocab_size,
+          f"sampling.top_k must be in [0, {lim.vocab_size}] (0 = off)")
+    p = _finite("sampling.top_p", top_p)
+    _need(0.0 < p <= 1.0, "sampling.top_p must be in (0, 1]")
+    mp = _finite("sampling.min_p", min_p)
+    _need(0.0 <= mp <= 1.0, "sampling.min_p must be in [0, 1]")
+    rp = _finite("sampling.repetition_penalty", repetition_penalty)
+    _need(0.0 < rp <= c.max_repetition_penalty,
+          f"sampling.repetition_penalty must be in (0, {c.max_repetition_penalty}]")
+    for name, v in (("presence_penalty", presence_penalty),
+                    ("frequency_penalty", frequency_penalty)):
+        v = _finite(f"sampling.{name}", v)
+        _need(abs(v) <= c.max_abs_penalty,
+              f"sampling.{name} must be in [-{c.max_abs_penalty}, {c.max_abs_penalty}]")
+    if seed is not None:
+        _need(0 <= seed <= MAX_SEED, "sampling.seed must be in [0, 2^64)")
+    return SamplingParams(temperature=t, top_k=int(top_k), top_p=p, min_p=mp,
+                          repetition_penalty=rp, presence_penalty=float(presence_penalty),
+                          frequency_penalty=float(frequency_penalty), seed=seed)
+
+
+def stop_params(*, prompt_len: int, max_new_tokens: int, min_new_tokens: int,
+                stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
+                lim: Limits) -> StopParams:
+    c = lim.cfg
+    _need(prompt_len >= 1, "the prompt is empty")
+    _need(prompt_len < lim.max_context,
+          f"the prompt has {prompt_len} tokens; the context limit is {lim.max_context} "
+          f"(prompt + new tokens)")
+    n = max_new_tokens or min(c.default_max_new_tokens, lim.max_context - prompt_len)
+    _need(1 <= n <= c.max_new_tokens,
+          f"stopping.max_new_tokens must be in [1, {c.max_new_tokens}]")
+    _need(prompt_len + n <= lim.max_context,
+          f"prompt ({prompt_len} tokens) + stopping.max_new_tokens ({n}) exceeds the context "
+          f"limit {lim.max_context}")
+    _need(0 <= min_new_tokens <= n, "stopping.min_new_tokens must be in [0, max_new_tokens]")
+    _need(len(stop) <= c.max_stop_strings,
+          f"stopping.stop has {len(stop)} strings; the limit is {c.max_stop_strings}")
+    for s in stop:
+        _need(0 < len(s) <= c.max_stop_string_chars,
+              f"each stopping.stop string must have 1 to {c.max_stop_string_chars} characters")
+    _need(len(stop_token_ids) <= c.max_stop_token_ids,
+          f"stopping.stop_token_ids has {len(stop_token_ids)} ids; the limit is "
+          f"{c.max_stop_token_ids}")
+    ids = check_ids("stopping.stop_token_ids", stop_token_ids, lim)
+    return StopParams(max_new_tokens=n, min_new_tokens=int(min_new_tokens),
+                      stop=tuple(dict.fromkeys(stop)), stop_token_ids=tuple(dict.fromkeys(ids)),
+                      ignore_eos=bool(ignore_eos))
+
+
+def output_params(*, prompt_len: int, max_new_tokens: int, logprobs: bool, top_logprobs: int,
+                  return_logits: bool, attention_layers: Sequence[int],
+                  attention_heads: Sequence[int], attention_available: bool,
+                  lim: Limits) -> OutputParams:
+    c = lim.cfg
+    _need(0 <= top_logprobs <= c.max_top_logprobs,
+          f"response.top_logprobs must be in [0, {c.max_top_logprobs}]")
+    _need(top_logprobs <= lim.vocab_size, f"response.top_logprobs must be <= {lim.vocab_size}")
+    if return_logits:
+        floats = max_new_tokens * lim.vocab_size
+        _need(floats <= c.max_logits_floats,
+              f"response.return_logits: max_new_tokens x vocab = {floats} floats; the limit is "
+              f"{c.max_logits_floats} (lower max_new_tokens)")
+    layers = tuple(int(x) for x in attention_layers)
+    heads = tuple(int(x) for x in attention_heads)
+    if heads and not layers:
+        raise InvalidArgument("response.attention.heads needs response.attention.layers")
+    if layers:
+        if not attention_available:
+            raise Unimplemented("attention diagnostics are not available on this server "
+                                "(the artifact has no attention graphs)")
+        _need(len(set(layers)) == len(layers) and all(0 <= x < lim.n_layers for x in layers),
+              f"response.attention.layers must be unique layer indices in [0, {lim.n_layers})")
+        _need(len(set(heads)) == len(heads) and all(0 <= x < lim.n_heads for x in heads),
+              f"response.attention.heads must be unique head indices in [0, {lim.n_heads})")
+        heads = heads or tuple(range(lim.n_heads))
+        total = prompt_len + max_new_tokens
+        # the row of step k has prompt_len + k floats: sum over k < max_new_tokens
+        floats = len(layers) * len(heads) * max_new_tokens * (prompt_len + (max_new_tokens - 1) / 2)
+        _need(floats <= c.max_attention_floats,
+              f"response.attention: {len(layers)} layers x {len(heads)} heads over {total} "
+              f"positions is {int(floats)} floats; the limit is {c.max_attention_floats}")
+    return OutputParams(logprobs=bool(logprobs), top_logprobs=int(top_logprobs),
+                        return_logits=bool(return_logits), attention_layers=layers,
+                        attention_heads=heads)
+
+
+def score_request(sequences: list[list[int]], top_logprobs: int, request_id: str,
+                  lim: Limits) -> ScoreRequest:
+    c = lim.cfg
+    _need(len(sequences) >= 1, "nothing to score: give texts or token_ids")
+    _need(len(sequences) <= c.max_score_sequences,
+          f"{len(sequences)} sequences; the limit is {c.max_score_sequences} per call")
+    total = 0
+    for i, s in enumerate(sequences):
+        _need(len(s) >= 1, f"sequence {i} is empty")
+        _need(len(s) <= lim.max_context,
+              f"sequence {i} has {len(s)} tokens; the context limit is {lim.max_context}")
+        check_ids(f"sequence {i}", s, lim)
+        total += len(s)
+    _need(total <= c.max_score_tokens,
+          f"{total} tokens in all; the limit is {c.max_score_tokens} per call")
+    _need(0 <= top_logprobs <= c.max_top_logprobs,
+          f"top_logprobs must be in [0, {c.max_top_logprobs}]")
+    return ScoreRequest([list(map(int, s)) for s in sequences], int(top_logprobs),
+                        check_request_id(request_id))
