@@ -12,6 +12,7 @@ leading slice ``[:n]`` of every buffer; a sequence that leaves is replaced by th
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -26,6 +27,9 @@ from kvserve.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 CAPACITY_CHUNK = 128
+# Buffer generations are unique across all KVBuffers of the process, so a cached IO binding can
+# never be taken for a different set of buffers (an ``id()`` is reused once its object is freed).
+_GENERATIONS = itertools.count(1)
 
 
 def choose_providers(provider: str = "auto") -> list[str]:
@@ -65,7 +69,7 @@ class KVBuffers:
         self.v: list[np.ndarray] = []
         self.mask = np.zeros((max_batch, 1), dtype=np.int64)  # (max_batch, C + 1)
         self.used = np.zeros(max_batch, dtype=np.int64)  # buffer rows filled per slot
-        self.generation = 0  # bumps whenever the buffers are reallocated
+        self.generation = 0  # changes (process-unique) whenever the buffers are reallocated
         self.ensure_capacity(capacity)
 
     def ensure_capacity(self, needed: int) -> None:
@@ -84,7 +88,7 @@ class KVBuffers:
         mask[:, :old_c] = self.mask[:, :old_c]
         mask[:, new_cap] = 1  # the column of the token being decoded
         self.mask, self.capacity = mask, new_cap
-        self.generation += 1
+        self.generation = next(_GENERATIONS)
 
     def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
         """Copy one prefilled sequence into ``slot``: ``present`` is the flat list of prefill
@@ -197,7 +201,7 @@ class OnnxLM:
     def _binding(self, name: str, kv: KVBuffers, n: int):
         """IO binding for (graph, batch n, buffer generation), built once and reused: the
         inputs are the KV buffers themselves; the outputs are preallocated arrays."""
-        key = (name, n, kv.generation, id(kv))
+        key = (name, n, kv.generation)  # generation is unique per buffer set (see above)
         hit = self._bound.get(key)
         if hit is not None:
             return hit
