@@ -23,6 +23,10 @@ def add_arguments(parser) -> None:
                         help="text file for the perplexity figures (default: a stdlib source)")
     parser.add_argument("--max-ppl-increase", type=float, default=0.10,
                         help="fail fp16/int8 when perplexity rises more than this fraction")
+    parser.add_argument("--optimize", action="store_true",
+                        help="store onnxruntime's offline-optimised graphs (tied to this "
+                             "machine's CPU features and onnxruntime version; recorded in the "
+                             "manifest)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
@@ -37,6 +41,7 @@ def main(args) -> int:
         out = export_artifacts(args.checkpoint, args.out, precision=args.precision,
                                attention=not args.no_attention, parity_steps=args.parity_steps,
                                eval_text=args.eval_text, max_ppl_increase=args.max_ppl_increase,
+                               optimize=args.optimize,
                                overwrite=args.overwrite, threads=args.threads)
     except (ParityError, PrecisionError) as e:
         print(f"kvserve export: FAILED: {e}; no artifact written", file=sys.stderr)

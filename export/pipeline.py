@@ -39,7 +39,7 @@ PRECISIONS = ("fp32", "fp16", "int8")
 def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp32",
                      attention: bool = True, parity_steps: int = 64,
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
-                     overwrite: bool = False, progress: bool = True,
+                     optimize: bool = False, overwrite: bool = False, progress: bool = True,
                      threads: int | None = None) -> Path:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -51,24 +51,23 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     model = load_model(ckpt)
     cfg = model.cfg
     specs = ALL_SPECS if attention else (PREFILL, DECODE)
+    transformed = precision != "fp32" or optimize
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    work = tmp if precision == "fp32" else tmp / "_fp32"
-    work.mkdir(exist_ok=True)
-    bar = tqdm(total=len(specs) + 3 + (len(specs) + 1 if precision != "fp32" else 0),
-               desc="export", unit="step", disable=not progress, leave=True)
+    work = tmp / "_fp32"  # the graphs as exported; the gate always runs on these
+    work.mkdir(parents=True)
+    steps = len(specs) + 3 + (len(specs) + 1 if transformed else 0)
+    bar = tqdm(total=steps, desc="export", unit="step", disable=not progress, leave=True)
     try:
         for spec in specs:
             bar.set_description(f"export {spec.name}")
             export_graph(model, spec, work)
             bar.update()
         _graphs_manifest(work, cfg, specs)
-        shutil.copy(ckpt / CONFIG, tmp / CONFIG)
-        if (ckpt / TOKENIZER).is_file():
-            shutil.copy(ckpt / TOKENIZER, tmp / TOKENIZER)
-        if work is not tmp:
-            shutil.copy(ckpt / CONFIG, work / CONFIG)
+        for name in (CONFIG, TOKENIZER):
+            if (ckpt / name).is_file():
+                shutil.copy(ckpt / name, tmp / name)
+        shutil.copy(ckpt / CONFIG, work / CONFIG)
 
         bar.set_description("parity fp32")
         prompts = parity_prompts(cfg.vocab_size)
@@ -79,34 +78,52 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         parity = {"fp32": report32.to_dict()}
         eval_ids = _eval_ids(ckpt, eval_text, cfg)
         ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
+        del lm32
 
-        if precision != "fp32":
-            for spec in specs:
+        machine = None
+        for spec in specs:
+            src, dst = work / spec.filename, tmp / spec.filename
+            if precision == "fp32":
+                for p in work.glob(spec.filename + "*"):
+                    p.rename(tmp / p.name)
+            else:
                 bar.set_description(f"{precision} {spec.name}")
-                prec.convert(work / spec.filename, tmp / spec.filename, precision)
+                prec.convert(src, dst, precision)
+            if optimize:
+                bar.set_description(f"optimize {spec.name}")
+                machine = prec.optimize_offline(dst)
+            if transformed:
                 bar.update()
-            del lm32
-            shutil.rmtree(work)
+        shutil.rmtree(work)
+
+        if transformed:
+            label = precision + ("+optimized" if optimize else "")
+            bar.set_description(f"parity {label}")
             _graphs_manifest(tmp, cfg, specs)
-            bar.set_description(f"parity {precision}")
             lm = OnnxLM(tmp, provider="cpu", threads=threads, attention=attention)
-            report = measure(model, lm, prompts, parity_steps, attention=False)
-            if precision == "fp16":
+            report = measure(model, lm, prompts, parity_steps,
+                             attention=attention and precision == "fp32")
+            if precision == "fp32":
+                gate(report, FP32_TOLERANCE)
+            elif precision == "fp16":
                 gate(report, prec.FP16_TOLERANCE, require_tokens=False)
-            parity[precision] = report.to_dict()
+            parity[label] = report.to_dict()
             if eval_ids:
-                ppl[precision] = prec.perplexity(lm, eval_ids, cfg.max_seq_len)
-                change = ppl[precision] / ppl["fp32"] - 1.0
+                ppl[label] = prec.perplexity(lm, eval_ids, cfg.max_seq_len)
+                change = ppl[label] / ppl["fp32"] - 1.0
                 ppl["relative_change"] = change
                 if not np.isfinite(change) or change > max_ppl_increase:
                     raise prec.PrecisionError(
-                        f"{precision} raises validation perplexity by {change:+.1%} "
+                        f"{label} raises validation perplexity by {change:+.1%} "
                         f"(> {max_ppl_increase:.0%} allowed)")
+            del lm
             bar.update()
 
         bar.set_description("manifest")
-        write_manifest(tmp, _manifest_content(ckpt, cfg, specs, precision, parity, ppl,
-                                              eval_ids))
+        content = _manifest_content(ckpt, cfg, specs, precision, parity, ppl, eval_ids)
+        if machine is not None:
+            content["optimized_for"] = machine
+        write_manifest(tmp, content)
         verify_artifacts(tmp)
         bar.update()
         if out.exists():

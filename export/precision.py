@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from kvserve.model.sampling import log_softmax
-from kvserve.server.runtime import OnnxLM
+from kvserve.server.runtime import OnnxLM, _cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,46 @@ def convert(src: Path, dst: Path, precision: str) -> None:
                   all_tensors_to_one_file=True, size_threshold=1024)
     else:
         raise ValueError(f"unknown precision {precision!r}")
+
+
+def optimize_offline(path: Path) -> dict:
+    """Replace ``path`` by onnxruntime's offline-optimised graph (CPU provider, extended
+    level: fusions such as FusedMatMul / SkipLayerNorm in the com.microsoft domain). Returns
+    what the result is tied to; the server refuses it on a machine without those features."""
+    import onnxruntime as ort
+
+    tmp_dir = path.parent / "_opt"
+    tmp_dir.mkdir(exist_ok=True)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_dir / path.name)
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                path.name + ".data")
+    so.add_session_config_entry(
+        "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    for p in path.parent.glob(path.name + "*"):
+        p.unlink()
+    for p in tmp_dir.iterdir():
+        p.rename(path.parent / p.name)
+    tmp_dir.rmdir()
+    return machine_features()
+
+
+def machine_features() -> dict:
+    """The provider, onnxruntime version and CPU instruction-set flags an offline-optimised
+    graph is tied to."""
+    import platform
+
+    import onnxruntime as ort
+
+    return {"provider": "CPUExecutionProvider", "onnxruntime": ort.__version__,
+            "machine": platform.machine(), "cpu_flags": sorted(_cpu_flags() & SIMD_FLAGS)}
+
+
+SIMD_FLAGS = {"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
+              "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8",
+              "amx_bf16", "asimd", "sve", "i8mm", "bf16"}
 
 
 def _toposort(graph: onnx.GraphProto) -> None:

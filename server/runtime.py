@@ -58,6 +58,36 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     return so
 
 
+def check_optimized_for(manifest: dict, providers: list[str]) -> None:
+    """An offline-optimised artifact runs only where it was made for (see export --optimize)."""
+    tied = manifest.get("optimized_for")
+    if not tied:
+        return
+    problems = []
+    if providers[0] != tied.get("provider"):
+        problems.append(f"provider {providers[0]} (optimised for {tied.get('provider')})")
+    if tied.get("onnxruntime") != ort.__version__:
+        problems.append(f"onnxruntime {ort.__version__} (optimised with "
+                        f"{tied.get('onnxruntime')})")
+    missing = sorted(set(tied.get("cpu_flags", [])) - _cpu_flags())
+    if missing:
+        problems.append(f"this CPU lacks {', '.join(missing)}")
+    if problems:
+        raise RuntimeError("artifact was offline-optimised for another machine: "
+                           + "; ".join(problems) + ". Re-export without --optimize or on "
+                           "this machine.")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 class KVBuffers:
     """Per-layer key/value homes for up to ``max_batch`` sequences."""
 
@@ -144,6 +174,7 @@ class OnnxLM:
         self.cfg = ModelConfig.load(self.dir / "config.json")
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
         self.providers = choose_providers(provider)
+        check_optimized_for(self.manifest, self.providers)
         so = session_options(threads)
         self.sessions: dict[str, ort.InferenceSession] = {}
         names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"] if attention else [])
