@@ -1,0 +1,1 @@
+"""Benchmarks (commands, never timed tests)."""

@@ -1,0 +1,1 @@
+"""Clients of the kvserve gRPC service: Python library (sync + asyncio), CLI, batch scoring."""
