@@ -105,7 +105,8 @@ def running_app(artifact: Artifact, **kw):
 
 @pytest.fixture(scope="session")
 def app(artifact):
-    with running_app(artifact, metrics_port=0) as a:
+    with running_app(artifact, metrics_port=0, max_logits_floats=50_000,
+                     max_attention_floats=50_000) as a:
         yield a
 
 

@@ -1,0 +1,96 @@
+"""Unit tests of the incremental detokenizer and the stop-string matcher (no server)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvserve.model.tokenizer import train_bpe
+from kvserve.server.detok import IncrementalDetokenizer, StopMatcher, TokenBytes
+
+TEXTS = ["naïve café 日本語 emoji 😀🚀 def f(x): return x\n" * 2 + str(i) for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe(TEXTS, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def tb(tok):
+    return TokenBytes(HFTokenizer.from_str(tok.to_str()), tok.vocab_size)
+
+
+def stream(tb, ids):
+    d = IncrementalDetokenizer(tb)
+    deltas = [d.push(i) for i in ids]
+    deltas.append(d.flush())
+    return deltas
+
+
+def test_byte_table_is_exact(tok, tb):
+    assert tb.exact
+    for i in range(tok.vocab_size):
+        assert tb[i].decode("utf-8", "replace") == tok.decode([i])
+
+
+def test_never_splits_a_character(tok, tb):
+    text = "日本語😀 naïve"
+    ids = tok.encode(text)
+    # feed byte by byte: every multi-byte character arrives in pieces
+    byte_ids = []
+    for b in text.encode("utf-8"):
+        [tid] = [i for i in range(tok.vocab_size) if tb[i] == bytes([b])]
+        byte_ids.append(tid)
+    deltas = stream(tb, byte_ids)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some bytes were held back
+    assert "".join(stream(tb, ids)) == text
+
+
+def test_random_ids_match_the_tokenizers_lossy_decode(tok, tb):
+    rnd = random.Random(0)
+    for _ in range(500):
+        ids = [rnd.randrange(tok.vocab_size) for _ in range(rnd.randrange(1, 16))]
+        assert "".join(stream(tb, ids)) == tok.decode(ids)
+
+
+def run_stops(pieces, stops):
+    m = StopMatcher(stops)
+    out = []
+    for p in pieces:
+        r = m.push(p)
+        out.append(r.text)
+        if r.stop is not None:
+            return "".join(out), r.stop
+    return "".join(out) + m.flush(), None
+
+
+@pytest.mark.parametrize("pieces,stops,want", [
+    (["Hel", "lo wo", "rld"], ["o w"], ("Hell", "o w")),
+    (["a", "b", "c", "d"], ["bc"], ("a", "bc")),
+    (["abc"], ["x"], ("abc", None)),
+    (["ab", "x"], ["abc"], ("abx", None)),  # held-back prefix released when it stops matching
+    (["xx", "ab", "cd"], ["bcd", "abc"], ("xx", "abc")),  # earliest match wins
+    (["END"], ["END"], ("", "END")),
+    (["日本", "語!"], ["本語"], ("日", "本語")),
+])
+def test_stop_strings_across_pieces(pieces, stops, want):
+    assert run_stops(pieces, stops) == want
+
+
+def test_stop_matcher_holds_back_only_possible_prefixes():
+    m = StopMatcher(["STOP"])
+    assert m.push("abcST").text == "abc"
+    assert m.push("x").text == "STx"
+    assert m.push("S").text == ""
+    assert m.flush() == "S"
+
+
+def test_unarmed_matcher_passes_everything():
+    m = StopMatcher(["ab"])
+    assert m.push("xab", armed=False).text == "xab"
+    r = m.push("cab")
+    assert (r.text, r.stop) == ("c", "ab")
