@@ -55,7 +55,7 @@ STATE_VERSION = 1
 
 # Defaults, applied after parsing so that --resume can tell which flags were given.
 DEFAULTS: dict[str, Any] = dict(
-    preset="small", data=None, text_field="text", val_fraction=0.02, vocab_size=None,
+    preset="small", data=None, text_field="text", val_fraction=0.05, vocab_size=None,
     out="runs/default", cache_dir=None, corpus_bytes=DEFAULT_MAX_BYTES,
     max_steps=1200, max_minutes=6.0, stop_at_step=None,
     batch_size=16, seq_len=128, grad_accum=1,
@@ -449,38 +449,73 @@ class Trainer:
         self.model.train()
         return float(tot[0] / tot[1])
 
-    def _should_stop(self, deadline: float, tail_s: float) -> bool:
+    def _should_stop(self, deadline: float, tail_s: float, horizon: int | None) -> bool:
+        """Rank 0's clock decides for everyone: out of time, and a shortened horizon."""
         h = self.hp
+        out_of_time = time.perf_counter() + tail_s > deadline
+        if self.dist.on:
+            flags = torch.tensor([int(out_of_time), horizon or 0], dtype=torch.int64)
+            dist.broadcast(flags, 0)
+            out_of_time, horizon = bool(flags[0]), int(flags[1]) or None
+        if horizon is not None and horizon < h.max_steps:
+            log.warning("at %.2f s/step the %.1f-minute budget ends near step %d, not %d: the "
+                        "cosine schedule now ends there (recorded in %s)", self._sps,
+                        h.max_minutes, horizon, h.max_steps, STATE)
+            h.max_steps = horizon
         stop = self.step >= h.max_steps or (h.stop_at_step is not None
                                             and self.step >= h.stop_at_step)
-        out_of_time = time.perf_counter() + tail_s > deadline
-        if self.dist.on:  # rank 0's clock decides for everyone
-            flag = torch.tensor([1 if out_of_time else 0])
-            dist.broadcast(flag, 0)
-            out_of_time = bool(flag.item())
         if out_of_time and not stop:
             log.warning("--max-minutes %.1f reached at step %d of %d: stopping early",
                         h.max_minutes, self.step, h.max_steps)
         return stop or out_of_time
 
+    def _fit_horizon(self, deadline: float, tail_s: float, t_first: float, n_timed: int,
+                     eval_s: float) -> int | None:
+        """The step the budget reaches at the measured pace, if it is before --max-steps, so
+        that the learning-rate schedule still completes (only ever shortens; rank 0)."""
+        h = self.hp
+        if not self.dist.main or n_timed < 5:
+            return None
+        now = time.perf_counter()
+        self._sps = (now - t_first) / n_timed
+        left = h.max_steps - self.step
+        evals_left = left // h.eval_every
+        if now + left * self._sps + evals_left * eval_s + tail_s <= deadline:
+            return None
+        usable = max(0.0, deadline - now - tail_s) * 0.95
+        steps = int(usable / (self._sps + eval_s / h.eval_every))
+        return max(self.step + 1, self.step + steps)
+
     def _train(self) -> None:
         h, d = self.hp, self.dist
         deadline = self.t0 + h.max_minutes * 60.0
         run_t0, run_step, run_tokens = time.perf_counter(), self.step, self.tokens_seen
-        tail_s = 5.0  # time kept for the final evaluation + save, re-measured at each eval
+        # time kept for the final evaluation + save; re-measured at each evaluation
+        tail_s = min(5.0, 0.1 * h.max_minutes * 60.0)
+        eval_s, t_first, self._sps = 2.0, None, 0.0
         bar = tqdm(total=h.max_steps, initial=self.step, disable=not d.main, unit="step",
                    dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
-        last_eval = None
-        while not self._should_stop(deadline, tail_s):
+        last_eval, horizon = None, None
+        while not self._should_stop(deadline, tail_s, horizon):
+            bar.total = h.max_steps
             loss = self._train_step()
             tps = (self.tokens_seen - run_tokens) / max(1e-9, time.perf_counter() - run_t0)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
+            horizon = None
             if self.step % h.eval_every == 0 and self.step < h.max_steps:
                 te = time.perf_counter()
                 self._eval_and_save(tps)
                 last_eval = self.step
-                tail_s = 1.5 * (time.perf_counter() - te) + 2.0
+                eval_s = time.perf_counter() - te
+                tail_s = 1.5 * eval_s + 2.0
+                t_first, n_timed = time.perf_counter(), 0  # re-measure the pace after saving
+            elif t_first is None:
+                t_first, n_timed = time.perf_counter(), 0  # after the first (slow) step
+            else:
+                n_timed += 1
+                if n_timed in (10, 50) or n_timed % 100 == 0:
+                    horizon = self._fit_horizon(deadline, tail_s, t_first, n_timed, eval_s)
         bar.close()
         tps = (self.tokens_seen - run_tokens) / max(1e-9, time.perf_counter() - run_t0)
         if last_eval != self.step:

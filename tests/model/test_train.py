@@ -149,3 +149,15 @@ def test_atomic_swap_and_recovery(tmp_path):
     out.rename(tmp_path / ".ck.old")
     T.recover_checkpoint_dir(out)
     assert (out / "model.safetensors").read_text() == "new"
+
+
+def test_time_budget_shortens_the_schedule(tmp_path, tiny_corpus, capsys):
+    import time
+
+    t = time.perf_counter()
+    assert train(tmp_path, tiny_corpus, "budget", "--max-steps", "1000000", "--max-minutes",
+                 "0.05", "--eval-every", "1000000", "--sample-tokens", "0") == 0
+    assert time.perf_counter() - t < 0.05 * 60 + 5
+    st = state(tmp_path / "budget")
+    assert 5 < st["step"] <= st["hparams"]["max_steps"] < 1000000
+    assert st["schedule"]["total_steps"] == st["hparams"]["max_steps"]
