@@ -57,9 +57,9 @@ STATE_VERSION = 1
 DEFAULTS: dict[str, Any] = dict(
     preset="small", data=None, text_field="text", val_fraction=0.05, vocab_size=None,
     out="runs/default", cache_dir=None, corpus_bytes=DEFAULT_MAX_BYTES,
-    max_steps=1200, max_minutes=6.0, stop_at_step=None,
+    max_steps=800, max_minutes=6.0, stop_at_step=None,
     batch_size=16, seq_len=128, grad_accum=1,
-    lr=3e-3, min_lr=3e-4, warmup_steps=60, weight_decay=0.1, grad_clip=1.0,
+    lr=3e-3, min_lr=3e-4, warmup_steps=50, weight_decay=0.1, grad_clip=1.0,
     eval_every=200, eval_batches=8, seed=1337, threads=None, device="auto",
     sample_prompt="def fibonacci(n):\n", sample_tokens=64,
 )
