@@ -488,7 +488,7 @@ class Trainer:
 
     def _train(self) -> None:
         h, d = self.hp, self.dist
-        deadline = self.t0 + h.max_minutes * 60.0
+        deadline = self.t0 + 0.98 * h.max_minutes * 60.0  # interpreter start-up is extra
         run_t0, run_step, run_tokens = time.perf_counter(), self.step, self.tokens_seen
         # time kept for the final evaluation + save; re-measured at each evaluation
         tail_s = min(5.0, 0.1 * h.max_minutes * 60.0)
@@ -508,7 +508,7 @@ class Trainer:
                 self._eval_and_save(tps)
                 last_eval = self.step
                 eval_s = time.perf_counter() - te
-                tail_s = 1.5 * eval_s + 2.0
+                tail_s = (1.5 + (0.5 if h.sample_tokens else 0.0)) * eval_s + 2.0
                 t_first, n_timed = time.perf_counter(), 0  # re-measure the pace after saving
             elif t_first is None:
                 t_first, n_timed = time.perf_counter(), 0  # after the first (slow) step
