@@ -1,0 +1,129 @@
+"""OnnxLM.decode with KVBuffers over 200+ steps: every step's logits equal torch's, across a
+capacity growth and a slot compaction; and a new KVBuffers never inherits a stale binding."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+from export_matrix import LOGIT_TOL
+
+from kvserve.model.generate import generate, left_pad
+from kvserve.server.runtime import CAPACITY_CHUNK, KVBuffers
+
+STEPS = 210
+PROMPT_LENGTHS = (5, 40, 17)  # the longest reaches 250 rows: one growth, 128 -> 256
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = np.random.default_rng(7)
+    return [g.integers(0, vocab, n).tolist() for n in PROMPT_LENGTHS]
+
+
+def _start(lm, model, prompts):
+    ids, mask = left_pad(prompts)
+    pre = lm.prefill(ids.numpy(), mask.numpy())
+    kv = KVBuffers(model.cfg, len(prompts))
+    for b, p in enumerate(prompts):
+        kv.load_prompt(b, pre.present, b, len(p))
+    return kv
+
+
+_REF = {}
+
+
+def _reference(model, prompts):
+    key = id(model)
+    if key not in _REF:
+        _REF[key] = generate(model, prompts, STEPS + 1, keep_logits=True)  # torch, greedy
+    return _REF[key]
+
+
+def test_reference_is_full_forward(main_model):
+    """The cached torch reference agrees with a plain full forward (spot checks)."""
+    prompts = _prompts(main_model.cfg.vocab_size)
+    ref = _reference(main_model, prompts)
+    for b, p in enumerate(prompts):
+        for step in (0, 99, STEPS):
+            seq = list(p) + ref.tokens[b][:step]
+            with torch.no_grad():
+                want = main_model(torch.tensor([seq])).logits[0, -1].numpy()
+            assert np.abs(ref.logits[b][step] - want).max() <= LOGIT_TOL
+
+
+def test_200_steps_across_capacity_growth(main_model, main_lm):
+    prompts = _prompts(main_model.cfg.vocab_size)
+    ref = _reference(main_model, prompts)
+    B = len(prompts)
+    kv = _start(main_lm, main_model, prompts)
+    assert kv.capacity == CAPACITY_CHUNK
+    generations = {kv.generation}
+    positions = np.array(PROMPT_LENGTHS, dtype=np.int64)
+    worst = 0.0
+    for step in range(STEPS):
+        tokens = np.array([ref.tokens[b][step] for b in range(B)], dtype=np.int64)
+        logits, _ = main_lm.decode(kv, B, tokens, positions)
+        positions += 1
+        generations.add(kv.generation)
+        for b in range(B):
+            d = float(np.abs(logits[b] - ref.logits[b][step + 1]).max())
+            worst = max(worst, d)
+            assert d <= LOGIT_TOL, (step, b, d)
+            assert int(np.argmax(logits[b])) == ref.tokens[b][step + 1], (step, b)
+    assert kv.capacity == 2 * CAPACITY_CHUNK and len(generations) == 2  # grew exactly once
+    assert list(kv.used[:B]) == [n + STEPS for n in PROMPT_LENGTHS]
+    print(f"max |Δlogit| over {STEPS} steps x {B} rows: {worst:.2e}")
+
+
+def test_slot_compaction_keeps_results(main_model, main_lm):
+    """The longest sequence (slot 1) leaves after the growth; the last one (slot 2) moves into
+    its slot (whose rows beyond the moved length still hold the old, longer sequence) and
+    goes on exactly as if it had never moved."""
+    prompts = _prompts(main_model.cfg.vocab_size)
+    ref = _reference(main_model, prompts)
+    leave_at = 120  # slot 1 then has 160 rows (> CAPACITY_CHUNK), slot 2 has 137
+    kv_a = _start(main_lm, main_model, prompts)  # never compacted
+    kv_b = _start(main_lm, main_model, prompts)  # compacted at leave_at
+    pos_a = np.array(PROMPT_LENGTHS, dtype=np.int64)
+    pos_b = pos_a.copy()
+    order = [0, 1, 2]  # sequence held by each slot of kv_b
+    for step in range(STEPS):
+        if step == leave_at:
+            assert kv_b.capacity == 2 * CAPACITY_CHUNK
+            kv_b.move(2, 1)
+            order = [0, 2]
+            pos_b = pos_b[[0, 2]].copy()
+            assert kv_b.used[1] == PROMPT_LENGTHS[2] + leave_at
+        tok_a = np.array([ref.tokens[s][step] for s in range(3)], dtype=np.int64)
+        la, _ = main_lm.decode(kv_a, 3, tok_a, pos_a)
+        la = la.copy()
+        tok_b = np.array([ref.tokens[s][step] for s in order], dtype=np.int64)
+        lb, _ = main_lm.decode(kv_b, len(order), tok_b, pos_b)
+        pos_a += 1
+        pos_b += 1
+        for slot, s in enumerate(order):
+            want = ref.logits[s][step + 1]
+            assert np.abs(lb[slot] - want).max() <= LOGIT_TOL, (step, s)
+            assert np.abs(lb[slot] - la[s]).max() <= 1e-6, (step, s)  # same as unmoved run
+            assert int(np.argmax(lb[slot])) == ref.tokens[s][step + 1]
+
+
+def test_new_buffers_never_reuse_a_stale_binding(main_model, main_lm):
+    """Regression: bindings were cached under (graph, n, generation, id(kv)) and every new
+    KVBuffers started at generation 1; CPython hands a new object the id of a freed one, so a
+    new KVBuffers (the engine makes one per scoring request, with its own capacity) could run
+    on the freed buffers of an old one. Short-lived buffers of varying capacity, one after
+    the other: every first step must match torch (the old code failed ~7 in 30 here)."""
+    cfg = main_model.cfg
+    g = np.random.default_rng(3)
+    for trial in range(30):
+        prompt = g.integers(0, cfg.vocab_size, 4 + trial % 5).tolist()
+        kv = KVBuffers(cfg, 1, capacity=CAPACITY_CHUNK * (1 + trial % 3))
+        pre = main_lm.prefill(np.array([prompt]), np.ones((1, len(prompt)), np.int64))
+        kv.load_prompt(0, pre.present, 0, len(prompt))
+        got = main_lm.decode(kv, 1, np.array([5]), np.array([len(prompt)]))[0][0].copy()
+        del kv  # the next KVBuffers may get this one's id
+        gc.collect()
+        with torch.no_grad():
+            want = main_model(torch.tensor([prompt + [5]])).logits[0, -1].numpy()
+        assert np.abs(got - want).max() <= LOGIT_TOL, trial
