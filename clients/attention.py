@@ -92,5 +92,5 @@ def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Seq
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
-    log.info("wrote %s: %d layers x %d heads, %d x %d", path, len(layers), len(heads), n, width)
+    log.debug("wrote %s: %d layers x %d heads, %d x %d", path, len(layers), len(heads), n, width)
     return path

@@ -133,3 +133,30 @@ def test_stop_string_reported(cli, target, reference):
     done = json.loads(out.splitlines()[-1])
     assert done["finish_reason"] == "stop_sequence" and done["stop_sequence"] == stop
     assert stop not in done["text"]
+
+
+def test_tls_ca_and_token(cli, artifact, tmp_path):
+    import shutil
+    import subprocess
+
+    from conftest import running_app
+    if shutil.which("openssl") is None:
+        pytest.skip("needs openssl to make a certificate")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
+                   check=True, capture_output=True)
+    with running_app(artifact, tls_cert=str(tmp_path / "cert.pem"),
+                     tls_key=str(tmp_path / "key.pem"), auth_token="s3cret") as app:
+        server = f"localhost:{app.port}"
+        args = ("generate", PROMPT, "--server", server, "--tls-ca", str(tmp_path / "cert.pem"),
+                "--max-new-tokens", "3", "--ignore-eos", "--quiet")
+        rc, out, err = cli(*args, "--token", "s3cret")
+        assert rc == 0 and out.strip(), err
+        rc, out, err = cli(*args)
+        assert rc == 1 and err.strip().splitlines() == [
+            "kvserve generate: UNAUTHENTICATED: missing credentials: send "
+            "`authorization: Bearer <token>`"]
+        rc, out, err = cli(*args[:4], "--max-new-tokens", "3", "--retries", "0")  # plaintext
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and "UNAVAILABLE" in err
