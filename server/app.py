@@ -183,11 +183,16 @@ class App:
         grace = self.cfg.drain_grace if grace is None else grace
         log.info("draining: refusing new calls, %.1fs grace for %s", grace,
                  self.engine.load() if hasattr(self, "engine") else {})
-        self.state.draining = True
+        self.state.draining = True  # from now on the servicer answers UNAVAILABLE
+        end = time.monotonic() + grace
         if self.server is not None:
             self.health.enter_graceful_shutdown()
+            # in-flight calls (and requests still queued) finish; gRPC's own stop would answer
+            # new calls on open connections with CANCELLED, so it comes last
+            while self.state.inflight and time.monotonic() < end:
+                time.sleep(0.02)
             self.engine.stop_accepting()
-            self.server.stop(grace).wait()
+            self.server.stop(max(0.0, end - time.monotonic())).wait()
         if hasattr(self, "engine"):
             self.engine.stop()
         if self.metrics_server is not None:

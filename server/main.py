@@ -5,7 +5,6 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 
 from .config import ServerConfig
 
@@ -26,27 +25,28 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2
     log.info("config: %s", cfg.public_dict())
+    # Signals are received synchronously by this thread (sigtimedwait below): blocked here,
+    # before any thread exists, every thread inherits the mask, so a SIGTERM is never handled
+    # late because it landed on an onnxruntime or gRPC thread.
+    signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     app = App(args.artifacts, cfg)
     try:
         app.load()
     except ArtifactError as e:
         print(f"kvserve serve: refusing to serve {args.artifacts}: {e}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("received %s", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     try:
         app.start()
     except OSError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         app.drain(0)
         return 1
-    while not stop.wait(1.0):
+    while True:
+        got = signal.sigtimedwait(signals, 1.0)
+        if got is not None:
+            log.info("received %s", signal.Signals(got.si_signo).name)
+            break
         if not app.engine.alive:
             log.error("the engine thread died; stopping")
             app.drain(0)

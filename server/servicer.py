@@ -3,9 +3,11 @@ validation lives in ``validation``, the work in ``engine``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -42,10 +44,23 @@ _STATUS = {
 
 @dataclass
 class ServingState:
-    """Set by the app: ``ready`` after warm-up, ``draining`` after SIGTERM."""
+    """Set by the app: ``ready`` after warm-up, ``draining`` after SIGTERM. ``inflight``
+    counts the model calls (Generate, Score) in progress, so a drain knows when it is done."""
     ready: bool = False
     draining: bool = False
     info: dict = field(default_factory=dict)
+    inflight: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def call(self):
+        with self._lock:
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.inflight -= 1
 
 
 def _abort(context: grpc.ServicerContext, e: ServingError):
@@ -125,6 +140,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return self.tb[i].decode("utf-8", errors="replace")
 
     def Generate(self, request, context):  # noqa: N802
+        with self.state.call():
+            yield from self._generate(request, context)
+
+    def _generate(self, request, context):
         try:
             self._gate()
             req = self._generate_request(request, context)
@@ -167,6 +186,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # --- Score ---------------------------------------------------------------------------------
     def Score(self, request, context):  # noqa: N802
+        with self.state.call():
+            return self._score(request, context)
+
+    def _score(self, request, context):
         try:
             self._gate()
             if request.texts and request.token_ids:

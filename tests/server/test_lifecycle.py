@@ -1,0 +1,256 @@
+"""Cancellation, deadlines, overload, health, reflection, metrics, auth, TLS, SIGTERM drain,
+artifact verification and configuration."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import running_app
+from helpers import collect, gen_request
+from kvserve.v1 import inference_pb2 as pb
+from kvserve.v1 import inference_pb2_grpc as pb_grpc
+
+SLOW = dict(attention=pb.AttentionOptions(layers=[0, 1]), return_logits=True, top_logprobs=20)
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_cancellation_frees_the_slot(stub, app):
+    call = stub.Generate(gen_request("x", 240))
+    next(call)
+    assert app.engine.load()["running"] == 1
+    call.cancel()
+    assert wait_for(lambda: app.engine.load()["running"] == 0, 2.0)
+    with pytest.raises(grpc.RpcError) as e:
+        collect(call)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    assert app.metrics.requests.get(rpc="Generate", outcome="cancelled") >= 1
+
+
+def test_deadline_exceeded_stops_the_work(stub, app):
+    before = app.metrics.requests.get(rpc="Generate", outcome="time_limit")
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stub.Generate(gen_request("x", 240, top_logprobs=20), timeout=0.05))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: app.engine.load()["running"] == 0, 2.0)
+    assert wait_for(lambda: app.metrics.requests.get(rpc="Generate", outcome="time_limit")
+                    + app.metrics.requests.get(rpc="Generate", outcome="cancelled") > before)
+
+
+def test_overload_is_resource_exhausted_and_queued_requests_are_cancellable(artifact):
+    with running_app(artifact, max_batch=1, max_queue=1) as app:
+        ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
+        stub = pb_grpc.InferenceStub(ch)
+        a = stub.Generate(gen_request("x", 240, **SLOW))
+        next(a)  # a holds the only slot
+        b = stub.Generate(gen_request("y", 4))  # waits in the queue
+        assert wait_for(lambda: app.engine.load()["queued"] == 1, 2.0)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Generate(gen_request("z", 4)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert time.monotonic() - t0 < 1.0  # immediately, not after waiting
+        b.cancel()  # a queued request leaves the queue
+        assert wait_for(lambda: app.engine.load()["queued"] == 0, 2.0)
+        chunks, done = collect(a)
+        assert done.generated_tokens == 240
+        ch.close()
+
+
+def test_health_reflection_and_metrics(channel, app, stub):
+    h = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvserve.v1.Inference"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    r = reflection_pb2_grpc.ServerReflectionStub(channel)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"kvserve.v1.Inference", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    collect(stub.Generate(gen_request("x", 3)))
+    body = urllib.request.urlopen(
+        f"http://127.0.0.1:{app.metrics_server.port}/metrics", timeout=5).read().decode()
+    for name in ("kvserve_queue_size", "kvserve_running_sequences",
+                 "kvserve_time_to_first_token_seconds_bucket",
+                 "kvserve_inter_token_latency_seconds_count", "kvserve_generated_tokens_total",
+                 'kvserve_requests_total{outcome="length",rpc="Generate"}'):
+        assert name in body
+
+
+def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
+    try:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
+                        "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                        "-keyout", str(tmp / "key.pem"), "-out", str(tmp / "cert.pem")],
+                       check=True, capture_output=True)
+        return (tmp / "cert.pem").read_bytes(), (tmp / "key.pem").read_bytes()
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    import ipaddress
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM,
+                              serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def test_tls_and_bearer_auth(artifact, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "c.pem").write_bytes(cert)
+    (tmp_path / "k.pem").write_bytes(key)
+    with running_app(artifact, tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"),
+                     auth_token="s3cret") as app:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert)
+        ch = grpc.secure_channel(f"localhost:{app.port}", creds)
+        stub = pb_grpc.InferenceStub(ch)
+        ok = [("authorization", "Bearer s3cret")]
+        chunks, done = collect(stub.Generate(gen_request("x", 3), metadata=ok))
+        assert done.generated_tokens == 3
+        assert stub.Tokenize(pb.TokenizeRequest(texts=["a"]), metadata=ok).tokens
+        for md in (None, [("authorization", "Bearer wrong")], [("authorization", "s3cret")]):
+            with pytest.raises(grpc.RpcError) as e:
+                collect(stub.Generate(gen_request("x", 3), metadata=md))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ModelInfo(pb.ModelInfoRequest(), metadata=md)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # health is exempt
+        h = health_pb2_grpc.HealthStub(ch)
+        assert h.Check(health_pb2.HealthCheckRequest()).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        ch.close()
+        # plaintext to a TLS port fails
+        plain = grpc.insecure_channel(f"127.0.0.1:{app.port}")
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.InferenceStub(plain).ModelInfo(pb.ModelInfoRequest(), metadata=ok,
+                                                   timeout=2)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        plain.close()
+
+
+def _serve(artifact_dir, tmp_path, *extra, env=None):
+    port_file = tmp_path / "port.json"
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(artifact_dir), "--port", "0",
+           "--port-file", str(port_file), "--threads", "1", *extra]
+    e = {**os.environ, **(env or {})}
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=e)
+    return proc, port_file
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_0(artifact, tmp_path):
+    import concurrent.futures
+
+    proc, port_file = _serve(artifact.dir, tmp_path, "--drain-grace", "60", "--metrics-port", "0",
+                             env={"KVSERVE_MAX_BATCH": "1"})
+    try:
+        assert wait_for(port_file.exists, 60), (tmp_path / "server.log").read_text()
+        port = json.loads(port_file.read_text())["port"]
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.InferenceStub(ch)
+        assert stub.ModelInfo(pb.ModelInfoRequest()).limits.max_batch == 1  # env var applied
+        # one slot, several long requests: most are still running or queued at SIGTERM
+        calls = [stub.Generate(gen_request("x", 240, **SLOW)) for _ in range(12)]
+        next(calls[0])
+        mport = json.loads(port_file.read_text())["metrics_port"]
+
+        def accepted():  # running + queued + finished (the 2 warm-up requests excluded)
+            text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode()
+            val = lambda pat: float(re.search("^" + pat, text, re.M).group(1))  # noqa: E731
+            done = re.search(r'requests_total\{outcome="length",rpc="Generate"\} (\S+)', text)
+            return (val(r"kvserve_queue_size (\S+)") + val(r"kvserve_running_sequences (\S+)")
+                    + (float(done.group(1)) if done else 0) - 2)
+
+        assert wait_for(lambda: accepted() == len(calls), 10)  # every call reached the server
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Generate(gen_request("y", 2), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+            results = list(pool.map(collect, calls))
+        for i, (chunks, done) in enumerate(results):
+            assert done.finish_reason == pb.FINISH_REASON_LENGTH
+            assert done.generated_tokens == len(chunks) + (i == 0) == 240
+        assert proc.wait(timeout=30) == 0
+        log = (tmp_path / "server.log").read_text()
+        queued = int(re.search(r"draining: .*'queued': (\d+)", log).group(1))
+        assert queued >= 1, "the in-flight work had finished before SIGTERM was handled"
+        ch.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_refuses_a_tampered_artifact(artifact, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(artifact.dir, bad)
+    with open(bad / "decode.onnx.data", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00\x01\x02\x03")
+    proc, _ = _serve(bad, tmp_path)
+    assert proc.wait(timeout=60) == 1
+    err = (tmp_path / "server.log").read_text()
+    assert "refusing to serve" in err and "decode.onnx.data" in err
+
+
+def test_server_config_flags_env_and_bounds():
+    import argparse
+
+    from kvserve.server.config import ServerConfig
+
+    p = argparse.ArgumentParser()
+    ServerConfig.add_arguments(p)
+    env = {"KVSERVE_MAX_BATCH": "3", "KVSERVE_PORT": "6000", "KVSERVE_ATTENTION": "false"}
+    cfg = ServerConfig.from_args(p.parse_args(["--port", "7000"]), environ=env)
+    assert (cfg.port, cfg.max_batch, cfg.attention) == (7000, 3, False)  # flag > env > default
+    assert ServerConfig.from_args(p.parse_args([]), environ={}).port == 50051
+    with pytest.raises(ValueError, match="max_batch"):
+        ServerConfig.from_args(p.parse_args(["--max-batch", "0"]), environ={})
+    with pytest.raises(ValueError, match="KVSERVE_THREADS"):
+        ServerConfig.from_args(p.parse_args([]), environ={"KVSERVE_THREADS": "many"})
+    assert "s3" not in str(ServerConfig(auth_token="s3").public_dict())
+
+
+def test_server_package_does_not_import_torch():
+    code = ("import sys, kvserve.server.main, kvserve.server.app, kvserve.server.engine; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
