@@ -52,6 +52,7 @@ OPTIMIZER = "optimizer.safetensors"
 STATE = "train_state.json"
 METRICS = "metrics.jsonl"
 STATE_VERSION = 1
+ERROR_MARK = "\0error:"
 
 # Defaults, applied after parsing so that --resume can tell which flags were given.
 DEFAULTS: dict[str, Any] = dict(
@@ -307,6 +308,9 @@ class Trainer:
             raise ValueError(f"--seq-len {h.seq_len} exceeds the model's max_seq_len {max_len}")
         if self.out.resolve() == Path.cwd().resolve():
             raise ValueError("--out must be a directory of its own, not the current directory")
+        if not self.resume and (self.out / STATE).is_file():
+            log.warning("%s holds a training run: it will be replaced (use --resume to "
+                        "continue it)", self.out)
 
     # --- setup --------------------------------------------------------------------------
     def run(self) -> int:
@@ -336,18 +340,35 @@ class Trainer:
         tok_path = (self.out / TOKENIZER) if self.resume else cache / f"tok-{fp}-{vocab}.json"
         tok_json = None
         if d.main:
-            if not tok_path.is_file():
-                cache.mkdir(parents=True, exist_ok=True)
-                log.info("training a byte-level BPE (vocab %d) on %d file(s)", vocab, len(files))
-                docs = D.train_documents(files, h.text_field, h.val_fraction)
-                write_text_atomic(tok_path, train_bpe(docs(), vocab).to_str())
-            tok_json = tok_path.read_text()
-        self.tok = Tokenizer.from_str(broadcast_text(tok_json, d))
+            try:
+                if not tok_path.is_file():
+                    cache.mkdir(parents=True, exist_ok=True)
+                    log.info("training a byte-level BPE (vocab %d) on %d file(s)", vocab,
+                             len(files))
+                    docs = D.train_documents(files, h.text_field, h.val_fraction)
+                    write_text_atomic(tok_path, train_bpe(docs(), vocab).to_str())
+                tok_json = tok_path.read_text()
+            except (ValueError, FileNotFoundError) as e:
+                tok_json = ERROR_MARK + str(e)  # tell the other ranks instead of hanging them
+        tok_json = broadcast_text(tok_json, d)
+        if tok_json.startswith(ERROR_MARK):
+            raise ValueError(tok_json[len(ERROR_MARK):])
+        self.tok = Tokenizer.from_str(tok_json)
         tok_id = hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:12]
         tok_dir = cache / f"tokens-{fp}-{tok_id}"
+        failed = ""
         if d.local_rank == 0:  # one tokenization per machine (deterministic: same files)
-            D.build_tokens(files, self.tok, tok_dir, h.text_field, h.val_fraction)
-        d.barrier()
+            try:
+                D.build_tokens(files, self.tok, tok_dir, h.text_field, h.val_fraction)
+            except (ValueError, FileNotFoundError) as e:
+                failed = str(e)
+        if d.on:
+            flag = torch.tensor([int(bool(failed))])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not failed:
+                failed = "tokenization failed on another rank (see its log)"
+        if failed:
+            raise ValueError(failed)
         self.data = D.open_tokens(tok_dir)
         self.data_fp, self.n_files = fp, len(files)
         self.sampler = D.BatchSampler(self.data.train, h.batch_size, h.seq_len, h.seed,

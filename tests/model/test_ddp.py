@@ -59,3 +59,17 @@ def test_two_ranks_match_one_process(tmp_path, tiny_corpus):
     wb = load_file(str(one_out / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_input_error_on_rank0_stops_every_rank(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "kvserve.cli", "train", "--data", str(bad), "--out", str(tmp_path / "o"),
+           "--cache-dir", str(tmp_path / "cache"), "--batch-size", "2", *COMMON]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert proc.stderr.count("bad.jsonl:2: no 'text' field") == 2  # both ranks, no hang
+    assert not (tmp_path / "o").exists()
