@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from conftest import free_port, run_cli
+from client_helpers import free_port, run_cli
 from kvserve.clients import Client
 
 PROMPT = "def add(a, b):"
@@ -139,7 +139,7 @@ def test_tls_ca_and_token(cli, artifact, tmp_path):
     import shutil
     import subprocess
 
-    from conftest import running_app
+    from client_helpers import running_app
     if shutil.which("openssl") is None:
         pytest.skip("needs openssl to make a certificate")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",

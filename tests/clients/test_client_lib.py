@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from conftest import free_port, running_app
+from client_helpers import free_port, running_app
 from kvserve.clients import AsyncClient, Client, KvserveError, RetryPolicy, TokenEvent
 from kvserve.clients.client import Completion
 from kvserve.v1 import inference_pb2 as pb
