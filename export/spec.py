@@ -39,7 +39,7 @@ class GraphSpec:
 
     def io_shapes(self, cfg: ModelConfig) -> dict[str, dict]:
         """name -> {"dtype", "shape"} with symbolic dims, for the manifest and the runtime."""
-        seq = "1" if self.with_past else "sequence_length"
+        seq = 1 if self.with_past else "sequence_length"  # decode: one new token (a fixed dim)
         total = "total_sequence_length"
         kv = lambda t: ["batch_size", cfg.n_kv_heads, t, cfg.head_dim]  # noqa: E731
         io: dict[str, dict] = {

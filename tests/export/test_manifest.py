@@ -1,0 +1,108 @@
+"""The manifest: every file hashed, graph I/O names and symbolic shapes, opset, versions,
+parity and perplexity figures."""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+
+import onnx
+import onnxruntime
+import pytest
+import torch
+from export_matrix import LOGIT_TOL
+
+import kvserve
+from kvserve.export.spec import ALL_SPECS, OPSET
+from kvserve.model.config import ModelConfig
+
+ELEM = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.INT64: "int64"}
+
+
+@pytest.fixture(scope="module")
+def manifest(main_artifact) -> dict:
+    return json.loads((main_artifact / "manifest.json").read_text())
+
+
+def test_every_file_hashed(main_artifact, manifest):
+    on_disk = sorted(p.relative_to(main_artifact).as_posix() for p in main_artifact.rglob("*")
+                     if p.is_file() and p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk
+    assert {"config.json", "tokenizer.json"} <= set(on_disk)
+    for spec in ALL_SPECS:
+        assert {spec.filename, spec.filename + ".data"} <= set(on_disk)
+    for rel, entry in manifest["files"].items():
+        data = (main_artifact / rel).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest(), rel
+        assert entry["bytes"] == len(data), rel
+
+
+def test_versions_opset_and_model(main_artifact, main_ckpt, manifest):
+    assert manifest["format_version"] == 1
+    assert manifest["producer"] == {"kvserve": kvserve.__version__, "torch": torch.__version__,
+                                    "onnx": onnx.__version__,
+                                    "onnxruntime": onnxruntime.__version__,
+                                    "python": platform.python_version()}
+    assert manifest["opset"] == OPSET == 18
+    assert manifest["precision"] == "fp32" and manifest["kv_dtype"] == "float32"
+    assert manifest["present_layout"] == "new_rows"
+    cfg = ModelConfig.load(main_artifact / "config.json")
+    assert manifest["model"] == {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+                                 "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+                                 "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
+                                 "eos_token_id": cfg.eos_token_id,
+                                 "pad_token_id": cfg.pad_token_id}
+    assert manifest["source"]["weights_sha256"] == hashlib.sha256(
+        (main_ckpt / "model.safetensors").read_bytes()).hexdigest()
+    assert (main_artifact / "config.json").read_bytes() == (main_ckpt / "config.json").read_bytes()
+
+
+def test_parity_and_perplexity_figures(manifest):
+    p = manifest["parity"]["fp32"]
+    assert set(p) == {"max_abs_logit_prefill", "max_abs_logit_decode", "decode_steps", "batch",
+                      "greedy_tokens_equal", "token_agreement", "max_abs_attention",
+                      "tolerance"}
+    assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL
+    assert p["max_abs_attention"] <= 1e-5 and p["greedy_tokens_equal"]
+    ppl = manifest["perplexity"]  # the checkpoint has a tokenizer: figures on a stdlib text
+    assert ppl["fp32"] > 1.0 and ppl["eval_tokens"] >= 16
+
+
+def test_graph_io_names_and_shapes(main_artifact, manifest):
+    cfg = ModelConfig.load(main_artifact / "config.json")
+    assert set(manifest["graphs"]) == {s.name for s in ALL_SPECS}
+    for spec in ALL_SPECS:
+        g = manifest["graphs"][spec.name]
+        assert g["file"] == spec.filename
+        assert g["inputs"] == spec.input_names(cfg) and g["outputs"] == spec.output_names(cfg)
+        assert set(g["io"]) == set(g["inputs"]) | set(g["outputs"])
+        seq = 1 if spec.with_past else "sequence_length"
+        io = g["io"]
+        assert io["input_ids"]["shape"] == ["batch_size", seq]
+        assert io["attention_mask"]["shape"] == ["batch_size", "total_sequence_length"]
+        assert io["logits"]["shape"] == ["batch_size", seq, cfg.vocab_size]
+        kv = ["batch_size", cfg.n_kv_heads, seq, cfg.head_dim]
+        assert all(io[n]["shape"] == kv for n in g["outputs"] if n.startswith("present."))
+        if spec.with_past:
+            past = ["batch_size", cfg.n_kv_heads, "past_sequence_length", cfg.head_dim]
+            assert all(io[n]["shape"] == past for n in g["inputs"] if n.startswith("past_"))
+        if spec.with_attention:
+            assert io["attn_weights.0"]["shape"] == ["batch_size", cfg.n_heads, seq,
+                                                     "total_sequence_length"]
+
+        # the graph itself: same names and dtypes, the manifest's numbers are its fixed dims,
+        # the manifest's symbols are dynamic dims
+        model = onnx.load(str(main_artifact / spec.filename), load_external_data=False)
+        assert {o.domain: o.version for o in model.opset_import}.get("", None) == OPSET
+        values = list(model.graph.input) + list(model.graph.output)
+        assert [v.name for v in values] == [*g["inputs"], *g["outputs"]]
+        for v in values:
+            want = io[v.name]
+            assert ELEM[v.type.tensor_type.elem_type] == want["dtype"], v.name
+            dims = v.type.tensor_type.shape.dim
+            assert len(dims) == len(want["shape"]), v.name
+            for d, w in zip(dims, want["shape"]):
+                if isinstance(w, int):
+                    assert d.HasField("dim_value") and d.dim_value == w, (v.name, w)
+                else:
+                    assert d.HasField("dim_param") and d.dim_param, (v.name, w)
