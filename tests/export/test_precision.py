@@ -1,0 +1,71 @@
+"""int8 and fp16 exports of tiny models: the artifact verifies, holds only the transformed
+graphs, and its manifest carries the parity and perplexity figures (int8: the relative
+perplexity change)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from export_matrix import LOGIT_TOL, THREADS
+
+from kvserve.export.precision import FP16_TOLERANCE
+from kvserve.export.verify import verify_artifacts
+from kvserve.server.runtime import KVBuffers, OnnxLM
+
+PRECISION_CONFIGS = {"int8": "postln", "fp16": "sinus"}
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_precision_artifact(store, precision):
+    art = store.artifact(PRECISION_CONFIGS[precision])
+    m = verify_artifacts(art)
+    assert m["precision"] == precision
+    assert not (art / "_fp32").exists()
+    assert sorted(p.name for p in art.iterdir()) == sorted(
+        ["config.json", "tokenizer.json", "manifest.json", "prefill.onnx", "prefill.onnx.data",
+         "decode.onnx", "decode.onnx.data"])
+
+    fp32, q = m["parity"]["fp32"], m["parity"][precision]
+    assert max(fp32["max_abs_logit_prefill"], fp32["max_abs_logit_decode"]) <= LOGIT_TOL
+    worst = max(q["max_abs_logit_prefill"], q["max_abs_logit_decode"])
+    assert np.isfinite(worst) and worst > 0.0 and 0.0 <= q["token_agreement"] <= 1.0
+    assert q["decode_steps"] >= 64 and q["batch"] == 3
+
+    ppl = m["perplexity"]
+    assert set(ppl) == {"fp32", precision, "relative_change", "eval_tokens"}
+    assert ppl["eval_tokens"] >= 16 and ppl["fp32"] > 1.0 and ppl[precision] > 1.0
+    assert ppl["relative_change"] == pytest.approx(ppl[precision] / ppl["fp32"] - 1.0)
+    assert ppl["relative_change"] <= 0.10  # the default --max-ppl-increase
+
+    ops = {n.op_type for n in onnx.load(str(art / "decode.onnx"),
+                                        load_external_data=False).graph.node}
+    inits = onnx.load(str(art / "decode.onnx")).graph.initializer
+    types = {t.data_type for t in inits}
+    if precision == "int8":
+        assert q["tolerance"] is None  # int8 is judged by perplexity, not a logit bound
+        assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
+        assert onnx.TensorProto.INT8 in types
+    else:
+        assert q["tolerance"] == FP16_TOLERANCE and worst <= FP16_TOLERANCE
+        assert onnx.TensorProto.FLOAT16 in types
+        assert onnx.TensorProto.FLOAT not in {t.data_type for t in inits if len(t.dims) == 2}
+    print(f"{precision}: max |Δlogit| {worst:.3g}, agreement {q['token_agreement']:.3f}, "
+          f"ppl fp32 {ppl['fp32']:.4g} -> {ppl[precision]:.4g} "
+          f"({ppl['relative_change']:+.2%})")
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_precision_artifact_runs_in_the_runtime(store, precision):
+    """The KV buffers stay float32 (keep_io_types / dynamic quantization): decode runs."""
+    art = store.artifact(PRECISION_CONFIGS[precision])
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["kv_dtype"] == "float32"
+    lm = OnnxLM(art, provider="cpu", threads=THREADS, attention=False)
+    ids = np.array([[3, 4, 5, 6]], dtype=np.int64)
+    pre = lm.prefill(ids, np.ones_like(ids))
+    kv = KVBuffers(lm.cfg, 1)
+    kv.load_prompt(0, pre.present, 0, 4)
+    logits, _ = lm.decode(kv, 1, np.array([7]), np.array([4]))
+    assert logits.shape == (1, lm.cfg.vocab_size) and np.isfinite(logits).all()

@@ -1,0 +1,168 @@
+"""``verify_artifacts`` / ``kvserve verify`` refuse every kind of tampering with a clear
+message: changed bytes, truncation, a manifest that does not match (edited hash, unlisted
+file, missing file), external data outside the directory (``../``, absolute) and symlinks."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+
+from kvserve import cli
+from kvserve.export.manifest import sha256_file
+from kvserve.export.verify import VerifyError, verify_artifacts
+
+
+def _manifest(root: Path) -> dict:
+    return json.loads((root / "manifest.json").read_text())
+
+
+def _write_manifest(root: Path, m: dict) -> None:
+    (root / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
+
+
+def _rehash(root: Path, rel: str) -> None:
+    """Make the manifest agree with the file as it is now (so that only the check under test
+    can catch the change)."""
+    m = _manifest(root)
+    m["files"][rel] = {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
+    _write_manifest(root, m)
+
+
+def _refused(root: Path, pattern: str, capsys) -> None:
+    with pytest.raises(VerifyError, match=pattern):
+        verify_artifacts(root)
+    capsys.readouterr()
+    assert cli.main(["verify", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve verify: FAILED: ") and len(err.splitlines()) == 1, err
+
+
+def test_pristine_copy_verifies(artifact_copy, capsys):
+    m = verify_artifacts(artifact_copy)
+    assert set(m["graphs"]) == {"prefill", "decode", "prefill_attn", "decode_attn"}
+    assert cli.main(["verify", str(artifact_copy)]) == 0
+    assert "kvserve verify: OK" in capsys.readouterr().out
+
+
+def test_flipped_byte_in_data(artifact_copy, capsys):
+    p = artifact_copy / "decode.onnx.data"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    _refused(artifact_copy, r"^decode\.onnx\.data does not match its sha256 in the manifest "
+                            r"\(modified\)$", capsys)
+
+
+def test_truncated_graph(artifact_copy, capsys):
+    p = artifact_copy / "prefill.onnx"
+    data = p.read_bytes()
+    p.write_bytes(data[:len(data) // 2])
+    _refused(artifact_copy, rf"^prefill\.onnx has {len(data) // 2} bytes, the manifest says "
+                            rf"{len(data)} \(truncated or replaced\)$", capsys)
+
+
+def test_truncated_graph_with_matching_manifest(artifact_copy, capsys):
+    """Even re-hashed, a truncated graph is not a readable model."""
+    p = artifact_copy / "prefill.onnx"
+    p.write_bytes(p.read_bytes()[:100])
+    _rehash(artifact_copy, "prefill.onnx")
+    _refused(artifact_copy, r"graph prefill .*(not a readable ONNX model|fails onnx\.checker)",
+             capsys)
+
+
+def test_edited_hash(artifact_copy, capsys):
+    m = _manifest(artifact_copy)
+    m["files"]["config.json"]["sha256"] = "0" * 64
+    _write_manifest(artifact_copy, m)
+    _refused(artifact_copy, r"^config\.json does not match its sha256", capsys)
+
+
+@pytest.mark.parametrize("rel", ["notes.txt", "sub/extra.onnx.data"])
+def test_unlisted_file(artifact_copy, capsys, rel):
+    (artifact_copy / rel).parent.mkdir(exist_ok=True)
+    (artifact_copy / rel).write_bytes(b"x")
+    _refused(artifact_copy, rf"^files not in the manifest: {rel}$", capsys)
+
+
+def test_missing_file(artifact_copy, capsys):
+    (artifact_copy / "tokenizer.json").unlink()
+    _refused(artifact_copy, r"^tokenizer\.json is listed in the manifest but missing$", capsys)
+
+
+def test_missing_graph_entry_file(artifact_copy, capsys):
+    """Graph and data file removed and un-listed together: the graph entry still needs them."""
+    for rel in ("decode_attn.onnx", "decode_attn.onnx.data"):
+        (artifact_copy / rel).unlink()
+    m = _manifest(artifact_copy)
+    del m["files"]["decode_attn.onnx"], m["files"]["decode_attn.onnx.data"]
+    _write_manifest(artifact_copy, m)
+    _refused(artifact_copy, r"graph decode_attn file 'decode_attn\.onnx' is not hashed", capsys)
+
+
+def test_manifest_path_escaping(artifact_copy, capsys):
+    m = _manifest(artifact_copy)
+    m["files"]["../config.json"] = m["files"]["config.json"]
+    _write_manifest(artifact_copy, m)
+    _refused(artifact_copy, r"manifest file '\.\./config\.json' escapes the artifact directory",
+             capsys)
+
+
+def _relocate(root: Path, location: str) -> None:
+    """Point one initializer of decode.onnx at ``location`` (where a copy of the real data
+    is, so a loader that follows it would succeed), then re-hash decode.onnx."""
+    path = root / "decode.onnx"
+    m = onnx.load(str(path), load_external_data=False)
+    t = next(t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for e in t.external_data:
+        if e.key == "location":
+            e.value = location
+    onnx.save(m, str(path))
+    _rehash(root, "decode.onnx")
+
+
+def test_external_data_location_traversal(artifact_copy, capsys):
+    shutil.copy(artifact_copy / "decode.onnx.data", artifact_copy.parent / "decode.onnx.data")
+    _relocate(artifact_copy, "../decode.onnx.data")
+    _refused(artifact_copy, r"^graph decode external data location '\.\./decode\.onnx\.data' "
+                            r"escapes the artifact directory$", capsys)
+
+
+def test_external_data_absolute_location(artifact_copy, capsys):
+    outside = artifact_copy.parent / "elsewhere.data"
+    shutil.copy(artifact_copy / "decode.onnx.data", outside)
+    _relocate(artifact_copy, str(outside.resolve()))
+    _refused(artifact_copy, r"^graph decode external data location '/.*elsewhere\.data' "
+                            r"escapes the artifact directory$", capsys)
+
+
+def test_external_data_unhashed_location(artifact_copy, capsys):
+    """Inside the directory but not hashed (the manifest itself is the one such file):
+    refused, since no hash vouches for what the graph would read."""
+    _relocate(artifact_copy, "manifest.json")
+    _refused(artifact_copy, r"^graph decode external data 'manifest\.json' is not in the "
+                            r"manifest$", capsys)
+
+
+@pytest.mark.parametrize("rel", ["config.json", "decode.onnx.data"])
+def test_symlinked_file(artifact_copy, capsys, rel):
+    """Same bytes, so the hash matches: only the symlink rule can refuse it."""
+    target = artifact_copy.parent / ("outside-" + Path(rel).name)
+    shutil.copy(artifact_copy / rel, target)
+    (artifact_copy / rel).unlink()
+    (artifact_copy / rel).symlink_to(target)
+    assert sha256_file(artifact_copy / rel) == _manifest(artifact_copy)["files"][rel]["sha256"]
+    _refused(artifact_copy, rf"^manifest file '{rel}' goes through a symlink", capsys)
+
+
+def test_symlinked_directory(artifact_copy, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(artifact_copy)
+    _refused(link, r"is a symlink; refused", capsys)
+
+
+def test_no_manifest(artifact_copy, capsys):
+    (artifact_copy / "manifest.json").unlink()
+    _refused(artifact_copy, r"has no manifest\.json", capsys)
