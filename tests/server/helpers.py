@@ -1,6 +1,8 @@
 """Torch references and small client helpers for the server tests."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -63,3 +65,28 @@ def to_params(s: pb.SamplingOptions) -> SamplingParams:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None)
+
+
+# (tests/server/conftest.py keeps its own copies for tests/clients, which load that file by
+# path; the test modules here import from this uniquely named module instead of `conftest`.)
+def server_config(**kw):
+    from kvserve.server.config import ServerConfig
+
+    base = dict(host="127.0.0.1", port=0, metrics_port=-1, threads=1, max_batch=4,
+                max_queue=16, drain_grace=2.0)
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+@contextlib.contextmanager
+def running_app(artifact, **kw):
+    """A real server (App) on a free loopback port; drained on exit."""
+    from kvserve.server.app import App
+
+    app = App(artifact.dir, server_config(**kw))
+    app.load()
+    app.start()
+    try:
+        yield app
+    finally:
+        app.drain(0.5)

@@ -7,8 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import running_app
-from helpers import collect, gen_request, torch_generate, torch_logprobs, torch_step_logits
+from helpers import collect, gen_request, running_app, torch_generate, torch_logprobs, torch_step_logits
 from kvserve.model.sampling import log_softmax
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
