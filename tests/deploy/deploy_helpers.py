@@ -103,10 +103,10 @@ def render_template(text: str, env: dict[str, str], prefix: str = LB_PREFIX) -> 
     """What the nginx image's 20-envsubst-on-templates.sh does with NGINX_ENVSUBST_FILTER: replace
     ${VAR} / $VAR of the defined variables whose names match the filter, leave the rest (nginx's
     own $variables) alone. Every placeholder of ours must be defined."""
-    missing = sorted({n for n in re.findall(r"\$\{?(" + prefix + r"[A-Z0-9_]*)", text)
+    missing = sorted({n for n in re.findall(r"\$\{?(" + prefix + r"[A-Z0-9_]+)", text)
                       if n not in env})
     assert not missing, f"template variables not set: {missing}"
-    return re.sub(r"\$\{(" + prefix + r"[A-Z0-9_]*)\}|\$(" + prefix + r"[A-Z0-9_]*)",
+    return re.sub(r"\$\{(" + prefix + r"[A-Z0-9_]+)\}|\$(" + prefix + r"[A-Z0-9_]+)",
                   lambda m: env[m.group(1) or m.group(2)], text)
 
 
