@@ -1,0 +1,231 @@
+"""``kvserve bench``: build (or reuse) the benchmark models, run every runner in its own process,
+write ``bench/results/<size>.json``, ``bench/results/README-table.md`` and the README section
+between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+
+  kvserve bench                 full run (6M, 100M, small; ~20-25 min on 2 cores)
+  kvserve bench --quick         6M only, fewer tokens; writes .bench/quick/ (not the README)
+  kvserve bench --render-only   rebuild the tables and the README section from the JSON
+  kvserve bench --profile       profile the decode loop -> bench/results/profile.md
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+README = REPO / "README.md"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="6M model only, fewer tokens (development); results go to "
+                             ".bench/quick unless --results is given")
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated: bench-6m,bench-100m,small (default: all; "
+                             "--quick: bench-6m)")
+    parser.add_argument("--runners", default=None,
+                        help="comma-separated subset: engine,loop,engine_int8,genai,torch,hf,"
+                             "grpc")
+    parser.add_argument("--results", default=None, help="results directory (default "
+                        "bench/results, or .bench/quick with --quick)")
+    parser.add_argument("--cache", default=str(REPO / ".bench"),
+                        help="where built models live (reused by later runs)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="no measurement: rebuild README-table.md and the README section "
+                             "from the results JSON")
+    parser.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile the decode loop (writes profile.md)")
+
+
+# --- the plan ----------------------------------------------------------------------------------
+def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
+    """runner -> what it measures. Expensive peers run fewer cells on the 100M model."""
+    rep = repeats or (1 if quick else 2)
+    if quick:
+        base = dict(prompt_len=32, repeats=rep, batches=[1, 8],
+                    decode=[[1, 128], [8, 128], [16, 128]], ttft=[32, 512], itl=128,
+                    steps=[16, 256], step_count=8, sample_tokens=True)
+        slow = {**base, "decode": [[1, 32], [8, 32]], "batches": [1, 8], "ttft": [32],
+                "steps": [], "itl": 0}
+        return {"engine": {**base, "batches": [1, 8, 16], "score": [4, 64]},
+                "loop": dict(base),
+                "genai": dict(base),
+                "torch": {**slow, "score": [4, 64]},
+                "hf": {**slow, "score": [4, 64]},
+                "grpc": dict(prompt_len=32, repeats=1, streams=16, new_tokens=32)}
+    full = [[b, n] for b in (1, 8, 16) for n in (128, 512)]
+    base = dict(prompt_len=32, repeats=rep, batches=[1, 8, 16], decode=full, ttft=[32, 512],
+                itl=128, steps=[16, 256, 1000], step_count=16, sample_tokens=True)
+    if size == "bench-6m":
+        slow = {**base, "decode": [[1, 128], [1, 512], [8, 128], [8, 512], [16, 128]],
+                "steps": [], "itl": 0}
+        return {"engine": {**base, "score": [8, 256]}, "loop": dict(base),
+                "genai": dict(base), "torch": {**slow, "score": [8, 256]},
+                "hf": {**slow, "score": [8, 256]},
+                "grpc": dict(prompt_len=32, repeats=rep, streams=16, new_tokens=128)}
+    if size == "bench-100m":
+        slow = {**base, "decode": [[1, 128], [8, 128]], "batches": [1, 8], "steps": [],
+                "itl": 0, "ttft": [32], "repeats": 1}
+        return {"engine": {**base, "score": [8, 256]}, "loop": dict(base),
+                "engine_int8": {**base, "decode": [[1, 128], [1, 512], [8, 128]],
+                                "batches": [1, 8], "steps": [], "itl": 0},
+                "genai": dict(base), "torch": {**slow, "score": [4, 128]},
+                "hf": {**slow, "score": [4, 128]},
+                "grpc": dict(prompt_len=32, repeats=rep, streams=16, new_tokens=128)}
+    # small preset: our engine against the reference runtime only
+    small = {**base, "decode": [[1, 128], [8, 128], [16, 128]], "ttft": [32], "steps": [],
+             "itl": 0}
+    return {"engine": dict(small), "loop": dict(small), "genai": dict(small)}
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def machine() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for p in ("onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy"):
+        try:
+            out[p] = md.version(p)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def run_size(name: str, args, results_dir: Path) -> dict:
+    from . import build as B
+    from .roofline import decode_weight_bytes, read_bandwidth
+    from .runners import run_in_subprocess
+
+    cache = Path(args.cache)
+    want = set(args.runners.split(",")) if args.runners else None
+    pl = plan(name, args.quick, args.repeats)
+    if want:
+        pl = {k: v for k, v in pl.items() if k in want}
+    built = B.build(name, cache, genai="genai" in pl, int8="engine_int8" in pl,
+                    threads=args.threads)
+    load_before = loadavg()
+    out = {"size": name, "label": built.size.label, "runners": {},
+           "meta": {"quick": args.quick, "date": _dt.datetime.now().isoformat(timespec="seconds"),
+                    "machine": machine(), "versions": versions(), "seed": B.SEED,
+                    "threads": args.threads, "load_before": load_before,
+                    "build_seconds": built.build_seconds}}
+    paths = dict(artifact=str(built.fp32), ckpt=str(built.ckpt), hf=str(built.hf),
+                 genai=str(built.genai) if built.genai else None,
+                 vocab=built.size.vocab, threads=args.threads,
+                 workdir=str(cache / "tmp"))
+    for runner, spec in pl.items():
+        full = {**paths, **spec, "runner": "engine" if runner == "engine_int8" else runner}
+        if runner == "engine_int8":
+            full["artifact"] = str(built.int8)
+        t0 = time.perf_counter()
+        log.info("%s: %s (load %.2f)", name, runner, loadavg())
+        try:
+            res = run_in_subprocess(full)
+        except Exception as e:  # one runner failing must not lose the others
+            log.error("%s: %s failed: %s", name, runner, e)
+            res = {"error": str(e)[-2000:]}
+        res["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        out["runners"][runner] = res
+        log.info("%s: %s done in %.0fs", name, runner, res["wall_seconds"])
+    # roofline: bytes per decode step vs read bandwidth
+    bw = read_bandwidth(mb=128 if args.quick else 512, repeats=3 if args.quick else 5,
+                        threads=args.threads)
+    rf = {"bandwidth": bw, "fp32": decode_weight_bytes(built.fp32 / "decode.onnx")}
+    steady = _steady(out["runners"].get("loop"))
+    if steady:
+        rf["fp32"]["steady_tok_s"] = steady
+    if built.int8 is not None and "engine_int8" in pl:
+        rf["int8"] = decode_weight_bytes(built.int8 / "decode.onnx")
+        man = json.loads((built.int8 / "manifest.json").read_text())
+        out["int8_perplexity"] = {"fp32": _get_ppl(man, "fp32"), "int8": _get_ppl(man, "int8"),
+                                  "relative_change": man.get("perplexity", {})
+                                  .get("relative_change"),
+                                  "eval_tokens": man.get("perplexity", {}).get("eval_tokens")}
+    out["roofline"] = rf
+    out["meta"]["load_after"] = loadavg()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / f"{name}.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+def _get_ppl(man: dict, key: str):
+    return man.get("perplexity", {}).get(key)
+
+
+def _steady(loop: dict | None) -> float | None:
+    """Batch-1 tok/s from the raw loop's decode step time at position 256."""
+    ms = ((loop or {}).get("step_ms") or {}).get("256")
+    return 1000.0 / ms if ms else None
+
+
+def render_all(results_dir: Path, readme: Path | None) -> str:
+    from .report import load_results, render, update_readme
+
+    results = load_results(results_dir)
+    if not results:
+        raise SystemExit(f"kvserve bench: no results in {results_dir}")
+    section = render(results)
+    (results_dir / "README-table.md").write_text(section + "\n")
+    if readme is not None:
+        update_readme(readme, section)
+    return section
+
+
+def main(args: argparse.Namespace) -> int:
+    results_dir = Path(args.results) if args.results else \
+        (Path(args.cache) / "quick" if args.quick else RESULTS)
+    readme = None if (args.no_readme or (args.quick and not args.results)) else README
+    if args.render_only:
+        print(render_all(results_dir, readme))
+        return 0
+    if args.profile:
+        from .profile import main as profile_main
+
+        return profile_main(args)
+    sizes = args.sizes.split(",") if args.sizes else \
+        (["bench-6m"] if args.quick else ["bench-6m", "bench-100m", "small"])
+    t0 = time.perf_counter()
+    log.info("load average before: %.2f", loadavg())
+    if loadavg() >= 1.0 and not args.quick:
+        log.warning("load average %.2f >= 1.0: timings will be noisy (the JSON records it)",
+                    loadavg())
+    for name in sizes:
+        run_size(name, args, results_dir)
+    print(render_all(results_dir, readme))
+    log.info("bench done in %.0fs; load average after: %.2f", time.perf_counter() - t0,
+             loadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    from kvserve.cli import main as cli_main
+
+    sys.exit(cli_main(["bench", *sys.argv[1:]]))

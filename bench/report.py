@@ -1,0 +1,294 @@
+"""Results JSON -> targets and markdown tables (and the README section between the markers).
+
+Pure functions of the JSON: ``kvserve bench --render-only`` rebuilds everything from
+``bench/results/*.json`` without measuring anything.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+RUNNER_LABELS = {
+    "engine": "kvserve engine (in-process, server/engine.py)",
+    "loop": "kvserve raw loop (OnnxLM + KVBuffers, argmax)",
+    "engine_int8": "kvserve engine, int8 artifact",
+    "genai": "onnxruntime-genai 0.18 (Generator)",
+    "torch": "kvserve torch eager (model/generate.py)",
+    "hf": "transformers eager (LlamaForCausalLM.generate)",
+}
+ORDER = ["engine", "loop", "engine_int8", "genai", "torch", "hf"]
+DECODE_COLS = ["1x128", "1x512", "8x128", "8x512", "16x128", "16x512"]
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _get(d: dict, *path, default=None):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def tok_s(size: dict, runner: str, cell: str) -> float | None:
+    return _get(size, "runners", runner, "decode", cell, "tok_s")
+
+
+def decode_columns(size: dict) -> list[str]:
+    """The standard cells, plus any other batch x tokens cell some runner measured."""
+    seen = {c for v in size.get("runners", {}).values() for c in (v.get("decode") or {})}
+    extra = sorted(seen - set(DECODE_COLS), key=lambda c: tuple(map(int, c.split("x"))))
+    return [c for c in DECODE_COLS if c in seen] + extra
+
+
+def _fmt(x, digits: int = 0, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if digits == 0:
+        return f"{x:,.0f}{unit}"
+    return f"{x:,.{digits}f}{unit}"
+
+
+# --- targets -----------------------------------------------------------------------------------
+def _target(name: str, ratio: float | None, goal: float, why_missed: str = "",
+            detail: str = "") -> dict:
+    if ratio is None:
+        return {"target": name, "goal": goal, "ratio": None, "status": "not measured",
+                "detail": detail, "why": ""}
+    met = ratio >= goal
+    return {"target": name, "goal": goal, "ratio": ratio,
+            "status": "met" if met else f"missed by {(goal - ratio) / goal:.0%}",
+            "detail": detail, "why": "" if met else why_missed}
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def targets(results: dict[str, dict]) -> list[dict]:
+    """Every target of the Benchmarks issue, computed from one run's results (per size)."""
+    out = []
+    for key in ("bench-6m", "bench-100m"):
+        size = results.get(key)
+        if size is None:
+            continue
+        label = size.get("label", key)
+        for B in (1, 8):
+            for n in (128, 512):
+                cell = f"{B}x{n}"
+                e, g, lp = (tok_s(size, r, cell) for r in ("engine", "loop", "genai"))
+                r = _ratio(e, g)
+                why = _why_engine_vs_genai(size, B, n, r, _ratio(lp, g))
+                out.append(_target(f"{key}: engine ≥ 1.0× onnxruntime-genai, batch {B}, "
+                                   f"{n} new tokens", r, 1.0, why,
+                                   f"{_fmt(e)} vs {_fmt(g)} tok/s; raw loop "
+                                   f"{_fmt(_ratio(lp, g), 2)}×"))
+                if key == "bench-6m" and B == 1:
+                    out.append(_target(f"{key}: stretch engine ≥ 1.2× onnxruntime-genai, "
+                                       f"batch 1, {n} new tokens", r, 1.2, why,
+                                       f"{_fmt(e)} vs {_fmt(g)} tok/s"))
+        del label
+    for key, size in results.items():
+        grpc = _get(size, "runners", "grpc", "grpc") or {}
+        e1 = tok_s(size, "engine", "1x128")
+        single = grpc.get("single_tok_s")
+        if single is not None:
+            r = _ratio(single, e1)
+            out.append(_target(f"{key}: gRPC single stream ≥ 0.85× in-process engine "
+                               f"(batch 1, 128 new tokens)", r, 0.85,
+                               "per-token gRPC message + client thread wake-up on a 2-core "
+                               "machine shared with the server's engine and ORT threads",
+                               f"{_fmt(single)} vs {_fmt(e1)} tok/s"))
+            r = _ratio(grpc.get("concurrent_tok_s"), single)
+            out.append(_target(f"{key}: {grpc.get('concurrent_streams', 16)} concurrent "
+                               f"streams ≥ 5× one stream", r, 5.0,
+                               _why_concurrency(size),
+                               f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(single)} tok/s"))
+        es = _get(size, "runners", "engine", "score", "tok_s")
+        hs = _get(size, "runners", "hf", "score", "tok_s")
+        if es is not None and hs is not None:
+            out.append(_target(f"{key}: Score ≥ 3× transformers eager", _ratio(es, hs), 3.0,
+                               "Score prefills each sequence separately (one engine "
+                               "iteration per sequence); transformers runs the batch in one "
+                               "forward", f"{_fmt(es)} vs {_fmt(hs)} tok/s"))
+    size = results.get("bench-100m")
+    if size is not None and "engine_int8" in size.get("runners", {}):
+        q, f = tok_s(size, "engine_int8", "1x128"), tok_s(size, "engine", "1x128")
+        ppl = size.get("int8_perplexity") or {}
+        change = ppl.get("relative_change")
+        rb = size.get("roofline", {})
+        bytes_ratio = _ratio(_get(rb, "fp32", "read_bytes"), _get(rb, "int8", "read_bytes"))
+        out.append(_target(
+            "bench-100m: int8 ≥ 2.5× fp32 at batch 1 (128 new tokens)", _ratio(q, f), 2.5,
+            f"weights read per step shrink {_fmt(bytes_ratio, 2)}× (int8 MatMulInteger/"
+            f"DynamicQuantizeMatMul), but each step also quantizes activations and the "
+            f"lm_head/attention stay fp32-sized work; the bound is the bytes ratio, not 4×",
+            f"{_fmt(q)} vs {_fmt(f)} tok/s; perplexity change "
+            f"{'–' if change is None else f'{change:+.2%}'}"))
+    return out
+
+
+def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
+    if r is None:
+        return ""
+    parts = []
+    if loop_r is not None and loop_r > r + 0.03:
+        parts.append(f"engine bookkeeping per step (raw OnnxLM loop reaches {loop_r:.2f}×; "
+                     f"see bench/results/profile.md)")
+    steps_k = _get(size, "runners", "loop", "step_ms") or {}
+    steps_g = _get(size, "runners", "genai", "step_ms") or {}
+    if steps_k and steps_g:
+        worse = [p for p in steps_k if p in steps_g and steps_k[p] > steps_g[p] * 1.05]
+        if worse:
+            parts.append("decode graph slower per step at position(s) " + ", ".join(
+                f"{p} ({steps_k[p]:.2f} vs {steps_g[p]:.2f} ms)" for p in worse)
+                + ": torch-exported ops (unfused RMSNorm/RoPE/attention) vs genai's "
+                  "GroupQueryAttention/SkipSimplifiedLayerNorm fusions")
+    if B > 1 and n == 512:
+        parts.append("attention over the whole buffer capacity per row")
+    return "; ".join(parts) or "within noise of the run (see load in the header)"
+
+
+def _why_concurrency(size: dict) -> str:
+    b1, b16 = tok_s(size, "engine", "1x128"), tok_s(size, "engine", "16x128")
+    if b1 and b16:
+        return (f"the in-process engine itself scales {b16 / b1:.1f}× from batch 1 to 16 on "
+                f"this model (2 cores: a batch-16 step costs more than a batch-1 step); gRPC "
+                f"adds per-token messages for 16 streams")
+    return "batch scaling of the model on 2 cores"
+
+
+# --- markdown ----------------------------------------------------------------------------------
+def render(results: dict[str, dict]) -> str:
+    """The whole markdown section (also written to bench/results/README-table.md)."""
+    metas = [s.get("meta", {}) for s in results.values()]
+    meta = metas[0] if metas else {}
+    lines = ["## Performance", ""]
+    if meta:
+        loads = ", ".join(f"{k}: {_fmt(_get(s, 'meta', 'load_before'), 2)} → "
+                          f"{_fmt(_get(s, 'meta', 'load_after'), 2)}"
+                          for k, s in results.items())
+        lines += [f"Measured by `kvserve bench{' --quick' if meta.get('quick') else ''}` on "
+                  f"{meta.get('machine', '?')}, {meta.get('date', '?')}; 1-minute load average "
+                  f"before → after each size: {loads}. Versions: {meta.get('versions', {})}. "
+                  f"Random-init Llama weights (seed {meta.get('seed')}), the same weights for "
+                  f"every runner (greedy outputs agree: {_agree(results)}). Greedy, 32-token "
+                  f"prompt; tok/s = batch × new tokens / wall time of the whole call "
+                  f"(prefill included), best of N after a warm-up; 2 intra-op threads "
+                  f"everywhere.", ""]
+    for key, size in results.items():
+        lines += _size_tables(key, size)
+    lines += ["### Targets", "", "| target | ratio | goal | status | figures | why (when missed) |",
+              "|---|---|---|---|---|---|"]
+    for t in targets(results):
+        lines.append(f"| {t['target']} | {_fmt(t['ratio'], 2)}× | {t['goal']}× | "
+                     f"{t['status']} | {t['detail']} | {t['why']} |")
+    lines += ["", "Runners: **engine** = `server/engine.py` driven in-process (all requests "
+              "submitted together, tokens collected from the handles: sampling, detokenizer, "
+              "stop checks included); **loop** = `OnnxLM.prefill` + `KVBuffers` + "
+              "`OnnxLM.decode` with `argmax`, nothing else. Profile of the decode loop: "
+              "`bench/results/profile.md`.", ""]
+    return "\n".join(lines)
+
+
+def _agree(results: dict) -> str:
+    out = []
+    for key, size in results.items():
+        samples = {r: v.get("sample_tokens") for r, v in size.get("runners", {}).items()
+                   if v.get("sample_tokens")}
+        if len(samples) > 1:
+            first = next(iter(samples.values()))
+            same = all(s == first for s in samples.values())
+            out.append(f"{key} {'yes' if same else 'NO'} ({'/'.join(samples)})")
+    return "; ".join(out) or "not checked"
+
+
+def _size_tables(key: str, size: dict) -> list[str]:
+    runners = size.get("runners", {})
+    names = [r for r in ORDER if r in runners]
+    cols = decode_columns(size)
+    lines = [f"### {size.get('label', key)}", "",
+             "Decode tok/s (batch × new tokens):", "",
+             "| runner | " + " | ".join(cols) + " | peak RSS MB |",
+             "|---|" + "---|" * (len(cols) + 1)]
+    for r in names:
+        cells = [_fmt(tok_s(size, r, c)) for c in cols]
+        lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells)
+                     + f" | {_fmt(runners[r].get('rss_peak_mb'))} |")
+    lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / p99 "
+              "(batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
+              "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
+              "step@1000 |", "|---|---|---|---|---|---|---|---|"]
+    for r in names:
+        v = runners[r]
+        if not v.get("ttft_ms") and not v.get("itl_ms"):
+            continue
+        t, i, s = v.get("ttft_ms", {}), v.get("itl_ms", {}), v.get("step_ms", {})
+        lines.append(f"| {RUNNER_LABELS.get(r, r)} | {_fmt(t.get('32'), 2)} | "
+                     f"{_fmt(t.get('512'), 1)} | {_fmt(i.get('p50'), 2)} | "
+                     f"{_fmt(i.get('p99'), 2)} | {_fmt(s.get('16'), 2)} | "
+                     f"{_fmt(s.get('256'), 2)} | {_fmt(s.get('1000'), 2)} |")
+    score = [(r, runners[r]["score"]) for r in names if runners[r].get("score")]
+    if score:
+        sc = score[0][1]
+        lines += ["", f"Score ({sc['sequences']} sequences × {sc['tokens']} tokens): "
+                  + ", ".join(f"{RUNNER_LABELS.get(r, r).split(' (')[0]} "
+                              f"{_fmt(s['tok_s'])} tok/s" for r, s in score)]
+    g = _get(runners, "grpc", "grpc")
+    if g:
+        e1 = tok_s(size, "engine", "1x128")
+        lines += ["", f"gRPC (`kvserve serve` subprocess + Python client, 128 new tokens): "
+                  f"single stream {_fmt(g['single_tok_s'])} tok/s end to end vs in-process "
+                  f"engine {_fmt(e1)} tok/s; {g['concurrent_streams']} concurrent streams "
+                  f"{_fmt(g['concurrent_tok_s'])} tok/s aggregate; server peak RSS "
+                  f"{_fmt(g['server_rss_peak_mb'])} MB."]
+    rf = size.get("roofline")
+    if rf:
+        bw = _get(rf, "bandwidth", "gbps")
+        for prec in ("fp32", "int8"):
+            if prec not in rf:
+                continue
+            rb = rf[prec]["read_bytes"]
+            roof = bw * 1e9 / rb if bw else None
+            r = "engine" if prec == "fp32" else "engine_int8"
+            got = tok_s(size, r, "1x128")
+            steady = _get(rf, prec, "steady_tok_s")
+            lines += ["", f"Memory roofline ({prec}): a decode step reads "
+                      f"{rb / 1e6:,.1f} MB of weights (initializers minus the embedding "
+                      f"table); read bandwidth {_fmt(bw, 1)} GB/s (numpy sum over "
+                      f"{rf['bandwidth']['array_mb']} MB, best of {rf['bandwidth']['repeats']})"
+                      f" → roofline {_fmt(roof)} tok/s at batch 1; engine reaches "
+                      f"{_fmt(got)} tok/s = {_fmt(_ratio(got, roof), 2)} of it"
+                      + (f" (steady-state decode step: {_fmt(steady)} tok/s = "
+                         f"{_fmt(_ratio(steady, roof), 2)})" if steady else "") + "."]
+    if size.get("int8_perplexity"):
+        p = size["int8_perplexity"]
+        lines += ["", f"int8 perplexity (manifest, {p.get('eval_tokens')} tokens): fp32 "
+                  f"{_fmt(p.get('fp32'), 1)} → int8 {_fmt(p.get('int8'), 1)} "
+                  f"({p.get('relative_change', 0):+.2%}); random-init weights, so both sit "
+                  f"near the vocabulary size."]
+    lines.append("")
+    return lines
+
+
+def update_readme(readme: Path, section: str) -> None:
+    """Replace what is between the markers (appending the markers when missing)."""
+    text = readme.read_text() if readme.exists() else ""
+    if START not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{section.strip()}\n{END}{tail}")
+
+
+def load_results(results_dir: Path) -> dict[str, dict]:
+    out = {}
+    for p in sorted(Path(results_dir).glob("*.json")):
+        d = json.loads(p.read_text())
+        if isinstance(d, dict) and "runners" in d:
+            out[d.get("size", p.stem)] = d
+    order = ["bench-6m", "bench-100m", "small"]
+    return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
+                       else len(order)))

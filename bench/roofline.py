@@ -1,0 +1,60 @@
+"""Memory roofline: weight bytes a decode step reads vs the machine's memory read bandwidth."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ONNX_DTYPE_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8,
+                    16: 2}
+
+
+def decode_weight_bytes(graph: str | Path) -> dict:
+    """Sum of the initializer bytes one decode step reads.
+
+    Every initializer counts except the data input of a ``Gather`` (the token embedding: a step
+    reads one row of it, not the table); that covers every matmul weight, the lm_head, norms and
+    (int8) scales. Sizes come from the shapes, so external data is never loaded."""
+    import onnx
+
+    m = onnx.load(str(graph), load_external_data=False)
+    sizes = {}
+    for t in m.graph.initializer:
+        n = int(np.prod(t.dims)) if len(t.dims) else 1
+        sizes[t.name] = n * ONNX_DTYPE_BYTES.get(t.data_type, 4)
+    gathered = {node.input[0] for node in m.graph.node if node.op_type == "Gather"
+                and node.input[0] in sizes and sizes[node.input[0]] > (1 << 16)}
+    read = sum(v for k, v in sizes.items() if k not in gathered)
+    return {"read_bytes": read, "embedding_bytes": sum(sizes[k] for k in gathered),
+            "all_initializer_bytes": sum(sizes.values())}
+
+
+def read_bandwidth(mb: int = 512, repeats: int = 5, threads: int = 2) -> dict:
+    """Streaming read bandwidth: sum over an ``mb`` MB float64 array, best of ``repeats``; with
+    one thread and with ``threads`` threads (numpy releases the GIL in the reduction)."""
+    a = np.ones(mb * (1 << 20) // 8, np.float64)
+    a.sum()  # fault the pages in
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        a.sum()
+        return time.perf_counter() - t0
+
+    def many() -> float:
+        parts = np.array_split(a, threads)
+        ts = [threading.Thread(target=p.sum) for p in parts]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+
+    best1 = min(one() for _ in range(repeats))
+    bestn = min(many() for _ in range(repeats))
+    del a
+    return {"array_mb": mb, "repeats": repeats, "gbps_1thread": mb * (1 << 20) / best1 / 1e9,
+            f"gbps_{threads}threads": mb * (1 << 20) / bestn / 1e9,
+            "gbps": max(mb * (1 << 20) / best1, mb * (1 << 20) / bestn) / 1e9}
