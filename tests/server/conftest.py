@@ -76,9 +76,8 @@ def build_artifact(root: Path) -> Artifact:
     return Artifact(out, model, tok, cfg)
 
 
-@pytest.fixture(scope="session")
-def artifact(tmp_path_factory) -> Artifact:
-    return build_artifact(tmp_path_factory.mktemp("server_artifact"))
+# The `artifact` fixture (built by build_artifact above) is in tests/conftest.py, so that
+# tests/server and tests/clients share one build per session.
 
 
 def server_config(**kw):
