@@ -78,7 +78,7 @@ def targets(results: dict[str, dict]) -> list[dict]:
         for B in (1, 8):
             for n in (128, 512):
                 cell = f"{B}x{n}"
-                e, g, lp = (tok_s(size, r, cell) for r in ("engine", "loop", "genai"))
+                e, lp, g = (tok_s(size, r, cell) for r in ("engine", "loop", "genai"))
                 r = _ratio(e, g)
                 why = _why_engine_vs_genai(size, B, n, r, _ratio(lp, g))
                 out.append(_target(f"{key}: engine ≥ 1.0× onnxruntime-genai, batch {B}, "

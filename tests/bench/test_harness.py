@@ -1,0 +1,133 @@
+"""The bench harness's logic on tiny inputs (no timing, no models): targets, tables, README
+markers, the plan, and the roofline's byte count."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvserve.bench import report
+from kvserve.bench.main import plan, render_all
+
+
+def _size(engine, genai, loop=None, *, grpc=None, score=None, hf_score=None, extra=None):
+    def dec(v):
+        return {c: {"tok_s": v * (int(c.split("x")[0]) ** 0.5)} for c in
+                ("1x128", "1x512", "8x128", "8x512", "16x128")}
+    runners = {"engine": {"decode": dec(engine), "sample_tokens": [1, 2, 3], "rss_peak_mb": 100,
+                          "ttft_ms": {"32": 2.0, "512": 50.0},
+                          "itl_ms": {"p50": 1.0, "p99": 2.0}},
+               "genai": {"decode": dec(genai), "sample_tokens": [1, 2, 3],
+                         "step_ms": {"16": 0.3, "256": 0.4, "1000": 0.6}},
+               "loop": {"decode": dec(loop or engine), "sample_tokens": [1, 2, 3],
+                        "step_ms": {"16": 0.5, "256": 0.6, "1000": 0.9}}}
+    if grpc:
+        runners["grpc"] = {"grpc": {"single_tok_s": grpc[0], "concurrent_tok_s": grpc[1],
+                                    "concurrent_streams": 16, "server_rss_peak_mb": 150}}
+    if score:
+        runners["engine"]["score"] = {"tok_s": score, "sequences": 8, "tokens": 256}
+        runners["hf"] = {"score": {"tok_s": hf_score, "sequences": 8, "tokens": 256}}
+    out = {"size": "x", "label": "x", "runners": runners,
+           "meta": {"load_before": 0.5, "load_after": 0.7, "quick": False, "seed": 1}}
+    out.update(extra or {})
+    return out
+
+
+def test_targets_met_and_missed():
+    res = {"bench-6m": _size(1300, 1000, grpc=(900, 5000), score=3000, hf_score=500)}
+    ts = {t["target"]: t for t in report.targets(res)}
+    b1 = ts["bench-6m: engine ≥ 1.0× onnxruntime-genai, batch 1, 128 new tokens"]
+    assert b1["status"] == "met" and b1["ratio"] == pytest.approx(1.3)
+    stretch = ts["bench-6m: stretch engine ≥ 1.2× onnxruntime-genai, batch 1, 128 new tokens"]
+    assert stretch["status"] == "met"
+    g = ts["bench-6m: gRPC single stream ≥ 0.85× in-process engine (batch 1, 128 new tokens)"]
+    assert g["ratio"] == pytest.approx(900 / 1300) and g["status"].startswith("missed by")
+    assert g["why"]
+    c = ts["bench-6m: 16 concurrent streams ≥ 5× one stream"]
+    assert c["ratio"] == pytest.approx(5000 / 900) and c["status"] == "met"
+    assert ts["bench-6m: Score ≥ 3× transformers eager"]["status"] == "met"
+
+
+def test_missed_target_says_by_how_much_and_why():
+    res = {"bench-6m": _size(800, 1000, loop=1000)}
+    t = report.targets(res)[0]
+    assert t["status"] == "missed by 20%"
+    assert "raw OnnxLM loop reaches 1.00×" in t["why"]
+    assert "decode graph slower" in t["why"]  # loop step 0.5 ms vs genai 0.3 ms
+
+
+def test_unmeasured_target_is_not_met():
+    size = _size(1000, 1000)
+    del size["runners"]["genai"]["decode"]["8x512"]
+    ts = {t["target"]: t for t in report.targets({"bench-6m": size})}
+    assert ts["bench-6m: engine ≥ 1.0× onnxruntime-genai, batch 8, 512 new tokens"][
+        "status"] == "not measured"
+
+
+def test_int8_target_reads_perplexity():
+    size = _size(50, 50, extra={"int8_perplexity": {"fp32": 16000.0, "int8": 16100.0,
+                                                    "relative_change": 0.00625},
+                                "roofline": {"fp32": {"read_bytes": 400}, "int8": {
+                                    "read_bytes": 110}, "bandwidth": {"gbps": 20,
+                                                                      "array_mb": 512,
+                                                                      "repeats": 5}}})
+    size["runners"]["engine_int8"] = {"decode": {"1x128": {"tok_s": 100}}}
+    ts = {t["target"]: t for t in report.targets({"bench-100m": size})}
+    t = ts["bench-100m: int8 ≥ 2.5× fp32 at batch 1 (128 new tokens)"]
+    assert t["ratio"] == pytest.approx(2.0) and "+0.62%" in t["detail"]
+    assert "3.64×" in t["why"]
+
+
+def test_render_and_readme_markers(tmp_path):
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    (res_dir / "bench-6m.json").write_text(json.dumps(
+        {**_size(1300, 1000, grpc=(900, 5000)), "size": "bench-6m"}))
+    (res_dir / "profile.json").write_text("{}")  # not a results file: ignored
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\nintro\n")
+    text = render_all(res_dir, readme)
+    assert "| kvserve engine (in-process, server/engine.py) | 1,300 |" in text
+    assert (res_dir / "README-table.md").read_text().strip() == text.strip()
+    body = readme.read_text()
+    assert body.startswith("# title\n\nintro\n")
+    assert body.count(report.START) == 1 and body.count(report.END) == 1
+    # a second render replaces only what is between the markers
+    readme.write_text(body + "\ntrailer\n")
+    render_all(res_dir, readme)
+    again = readme.read_text()
+    assert again.count(report.START) == 1 and again.endswith("\ntrailer\n")
+    assert "greedy outputs agree: bench-6m yes" in again
+
+
+def test_plan_shapes():
+    full = plan("bench-100m", quick=False, repeats=None)
+    assert {"engine", "loop", "genai", "torch", "hf", "grpc", "engine_int8"} <= set(full)
+    cells = {tuple(c) for c in full["engine"]["decode"]}
+    assert {(1, 128), (1, 512), (8, 128), (8, 512), (16, 128), (16, 512)} <= cells
+    assert full["engine"]["ttft"] == [32, 512] and full["loop"]["steps"] == [16, 256, 1000]
+    quick = plan("bench-6m", quick=True, repeats=None)
+    assert "engine_int8" not in quick and quick["grpc"]["streams"] == 16
+
+
+def test_decode_weight_bytes_skips_the_embedding(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from kvserve.bench.roofline import decode_weight_bytes
+
+    emb = numpy_helper.from_array(np.zeros((1000, 64), np.float32), "emb")
+    w = numpy_helper.from_array(np.zeros((64, 32), np.float32), "w")
+    q = numpy_helper.from_array(np.zeros((64, 32), np.int8), "q")
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["x"]),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64,
+                                                                     [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])],
+                          [emb, w, q])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g), str(path))
+    got = decode_weight_bytes(path)
+    assert got["read_bytes"] == 64 * 32 * 4 + 64 * 32
+    assert got["embedding_bytes"] == 1000 * 64 * 4
