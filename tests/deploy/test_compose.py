@@ -155,3 +155,25 @@ def test_healthchecks_and_shutdown(cfg):
     assert rw and not rw[0].get("read_only", False)
     assert builder["environment"]["KVSERVE_MODEL_DIR"] == \
         next(iter(server_services(cfg).values()))["environment"]["KVSERVE_MODEL_DIR"]
+
+
+def test_template_renders_as_the_nginx_image_renders_it(cfg):
+    """tests/deploy renders deploy/nginx's template itself; the nginx image's entrypoint runs
+    `envsubst` with the defined variables that pass NGINX_ENVSUBST_FILTER. Same output."""
+    import os
+    import shutil
+
+    from deploy_helpers import NGINX_TEMPLATE, render_template
+
+    envsubst = shutil.which("envsubst")
+    if envsubst is None:
+        pytest.skip("envsubst (gettext-base) is not installed")
+    nginx = cfg["services"]["nginx"]["environment"]
+    flt = nginx["NGINX_ENVSUBST_FILTER"]
+    env = {k: str(v) for k, v in nginx.items() if re.match(flt, k)}
+    text = NGINX_TEMPLATE.read_text()
+    real = subprocess.run([envsubst, " ".join("${%s}" % k for k in env)], input=text,
+                          capture_output=True, text=True, timeout=30,
+                          env={**os.environ, **env}, check=True).stdout
+    assert render_template(text, env, prefix=flt) == real
+    assert "${" not in real and "server server-1:" in real
