@@ -33,14 +33,19 @@ def save_checkpoint(out: str | Path, model: Transformer, tokenizer_json: str | N
                     extra_files: dict[str, bytes] | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # Each file is written beside its final name and renamed into place: a crash never leaves
+    # a half-written file (trainers that need all-or-nothing swap whole directories).
     tmp = out / (WEIGHTS + ".tmp")
     save_file(model_state(model), str(tmp), metadata={"format": "pt", "producer": "kvserve"})
-    tmp.replace(out / WEIGHTS)  # atomic: a crash never leaves a half-written checkpoint
-    model.cfg.save(out / CONFIG)
+    tmp.replace(out / WEIGHTS)
+    files = {CONFIG: json.dumps(model.cfg.to_dict(), indent=2, sort_keys=True).encode() + b"\n"}
     if tokenizer_json is not None:
-        (out / TOKENIZER).write_text(tokenizer_json)
-    for name, data in (extra_files or {}).items():
-        (out / name).write_bytes(data)
+        files[TOKENIZER] = tokenizer_json.encode()
+    files.update(extra_files or {})
+    for name, data in files.items():
+        part = out / (name + ".tmp")
+        part.write_bytes(data)
+        part.replace(out / name)
     return out
 
 
