@@ -194,10 +194,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._gate()
             if request.texts and request.token_ids:
                 raise InvalidArgument("give texts or token_ids, not both")
-            if len(request.texts) > self.lim.cfg.max_score_sequences or \
-                    len(request.token_ids) > self.lim.cfg.max_score_sequences:
-                raise InvalidArgument(f"the limit is {self.lim.cfg.max_score_sequences} "
-                                      f"sequences per call")
+            for name in ("texts", "token_ids"):
+                n = len(getattr(request, name))
+                if n > self.lim.cfg.max_score_sequences:
+                    raise InvalidArgument(f"{name} has {n} sequences; the limit is "
+                                          f"{self.lim.cfg.max_score_sequences} per call")
             seqs = [self._prompt_ids(t, None) for t in request.texts] or \
                 [list(s.ids) for s in request.token_ids]
             req = V.score_request(seqs, request.top_logprobs, request.request_id, self.lim)

@@ -38,8 +38,10 @@ def _need(cond: bool, msg: str) -> None:
         raise InvalidArgument(msg)
 
 
-def _finite(name: str, v: float) -> float:
-    _need(isinstance(v, (int, float)) and math.isfinite(v), f"{name} must be a finite number")
+def _finite(name: str, v: float, bounds: str) -> float:
+    """NaN and infinities are refused with the same message as an out-of-range value."""
+    _need(isinstance(v, (int, float)) and math.isfinite(v),
+          f"{name} must be a finite number in {bounds}")
     return float(v)
 
 
@@ -70,21 +72,22 @@ def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                     seed: int | None = None, lim: Limits) -> SamplingParams:
     c = lim.cfg
-    t = _finite("sampling.temperature", temperature)
+    t = _finite("sampling.temperature", temperature, f"[0, {c.max_temperature}]")
     _need(0.0 <= t <= c.max_temperature,
           f"sampling.temperature must be in [0, {c.max_temperature}] (0 = greedy)")
     _need(0 <= top_k <= lim.vocab_size,
           f"sampling.top_k must be in [0, {lim.vocab_size}] (0 = off)")
-    p = _finite("sampling.top_p", top_p)
+    p = _finite("sampling.top_p", top_p, "(0, 1]")
     _need(0.0 < p <= 1.0, "sampling.top_p must be in (0, 1]")
-    mp = _finite("sampling.min_p", min_p)
+    mp = _finite("sampling.min_p", min_p, "[0, 1]")
     _need(0.0 <= mp <= 1.0, "sampling.min_p must be in [0, 1]")
-    rp = _finite("sampling.repetition_penalty", repetition_penalty)
+    rp = _finite("sampling.repetition_penalty", repetition_penalty,
+                 f"(0, {c.max_repetition_penalty}]")
     _need(0.0 < rp <= c.max_repetition_penalty,
           f"sampling.repetition_penalty must be in (0, {c.max_repetition_penalty}]")
     for name, v in (("presence_penalty", presence_penalty),
                     ("frequency_penalty", frequency_penalty)):
-        v = _finite(f"sampling.{name}", v)
+        v = _finite(f"sampling.{name}", v, f"[-{c.max_abs_penalty}, {c.max_abs_penalty}]")
         _need(abs(v) <= c.max_abs_penalty,
               f"sampling.{name} must be in [-{c.max_abs_penalty}, {c.max_abs_penalty}]")
     if seed is not None:
@@ -98,7 +101,7 @@ def stop_params(*, prompt_len: int, max_new_tokens: int, min_new_tokens: int,
                 stop: Sequence[str], stop_token_ids: Sequence[int], ignore_eos: bool,
                 lim: Limits) -> StopParams:
     c = lim.cfg
-    _need(prompt_len >= 1, "the prompt is empty")
+    _need(prompt_len >= 1, "the prompt is empty (it needs at least 1 token)")
     _need(prompt_len < lim.max_context,
           f"the prompt has {prompt_len} tokens; the context limit is {lim.max_context} "
           f"(prompt + new tokens)")
@@ -163,18 +166,20 @@ def output_params(*, prompt_len: int, max_new_tokens: int, logprobs: bool, top_l
 def score_request(sequences: list[list[int]], top_logprobs: int, request_id: str,
                   lim: Limits) -> ScoreRequest:
     c = lim.cfg
-    _need(len(sequences) >= 1, "nothing to score: give texts or token_ids")
+    _need(len(sequences) >= 1, "nothing to score: give texts or token_ids (1 to "
+                               f"{c.max_score_sequences} sequences)")
     _need(len(sequences) <= c.max_score_sequences,
           f"{len(sequences)} sequences; the limit is {c.max_score_sequences} per call")
     total = 0
     for i, s in enumerate(sequences):
-        _need(len(s) >= 1, f"sequence {i} is empty")
+        _need(len(s) >= 1, f"sequence {i} is empty (it needs at least 1 token)")
         _need(len(s) <= lim.max_context,
               f"sequence {i} has {len(s)} tokens; the context limit is {lim.max_context}")
         check_ids(f"sequence {i}", s, lim)
         total += len(s)
     _need(total <= c.max_score_tokens,
-          f"{total} tokens in all; the limit is {c.max_score_tokens} per call")
+          f"the sequences have {total} tokens in all; the limit is {c.max_score_tokens} "
+          f"per call")
     _need(0 <= top_logprobs <= c.max_top_logprobs,
           f"top_logprobs must be in [0, {c.max_top_logprobs}]")
     return ScoreRequest([list(map(int, s)) for s in sequences], int(top_logprobs),
