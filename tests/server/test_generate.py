@@ -243,36 +243,14 @@ def test_eos_ends_the_stream_unless_ignored(stub, artifact):
 
 
 @pytest.mark.parametrize("req,field", [
-    (gen_request("", 4), "prompt is empty"),
-    (pb.GenerateRequest(), "prompt is empty"),
-    (gen_request([1, 2, 10**6], 4), "token_ids"),
-    (gen_request("x", 100000), "max_new_tokens"),
-    (gen_request("x", 256), "context"),
-    (gen_request([5] * 300, 4), "token_ids"),
-    (gen_request([5] * 256, 4), "context"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(temperature=float("nan"))), "temperature"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(temperature=-1)), "temperature"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(temperature=1e9)), "temperature"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(top_p=0)), "top_p"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(top_p=1.5)), "top_p"),
+    # the other cases are in tests/hardening/test_bad_input.py (the full matrix)
     (gen_request("x", 4, sampling=pb.SamplingOptions(top_k=10**6)), "top_k"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(min_p=2)), "min_p"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(repetition_penalty=0)), "repetition"),
-    (gen_request("x", 4, sampling=pb.SamplingOptions(presence_penalty=float("inf"))),
-     "presence"),
     (gen_request("x", 4, sampling=pb.SamplingOptions(frequency_penalty=1e6)), "frequency"),
-    (gen_request("x", 4, min_new_tokens=5), "min_new_tokens"),
     (gen_request("x", 4, stop=["a"] * 100), "stop"),
     (gen_request("x", 4, stop=["a" * 1000]), "stop"),
-    (gen_request("x", 4, stop=[""]), "stop"),
-    (gen_request("x", 4, stop_token_ids=[10**6]), "stop_token_ids"),
     (gen_request("x", 4, top_logprobs=1000), "top_logprobs"),
-    (gen_request("x", 200, return_logits=True), "return_logits"),
     (gen_request("x", 4, attention=pb.AttentionOptions(layers=[9])), "layers"),
-    (gen_request("x", 4, attention=pb.AttentionOptions(layers=[0, 0])), "layers"),
     (gen_request("x", 4, attention=pb.AttentionOptions(layers=[0], heads=[99])), "heads"),
-    (gen_request("x", 4, attention=pb.AttentionOptions(heads=[0])), "layers"),
-    (gen_request("x", 200, attention=pb.AttentionOptions(layers=[0, 1])), "attention"),
 ])
 def test_invalid_requests_are_invalid_argument(stub, req, field):
     with pytest.raises(grpc.RpcError) as e:

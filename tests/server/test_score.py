@@ -48,9 +48,7 @@ def test_score_token_ids_vs_torch(stub, artifact):
 
 
 @pytest.mark.parametrize("req,msg", [
-    (pb.ScoreRequest(), "nothing to score"),
-    (pb.ScoreRequest(texts=["a"], token_ids=[pb.TokenIds(ids=[1])]), "not both"),
-    (pb.ScoreRequest(token_ids=[pb.TokenIds(ids=[])]), "empty"),
+    # the other cases are in tests/hardening/test_bad_input.py (the full matrix)
     (pb.ScoreRequest(token_ids=[pb.TokenIds(ids=[1, 10**6])]), "vocabulary"),
     (pb.ScoreRequest(token_ids=[pb.TokenIds(ids=[1] * 300)]), "limit"),
     (pb.ScoreRequest(texts=["a"] * 100), "sequences"),
