@@ -46,11 +46,15 @@ class Tokenizer:
 
     def __init__(self, tok: HFTokenizer):
         self._tok = tok
-        eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
-        if eos is None or pad is None:
+        # Tokenizers trained here always have both; an imported model's tokenizer may not
+        # (Llama's has </s> and no pad): then the model config's eos/pad ids are the truth.
+        self.eos_id: int | None = tok.token_to_id(EOS)
+        self.pad_id: int | None = tok.token_to_id(PAD)
+
+    def require_special_tokens(self) -> "Tokenizer":
+        if self.eos_id is None or self.pad_id is None:
             raise ValueError(f"tokenizer lacks the special tokens {EOS!r} / {PAD!r}")
-        self.eos_id: int = eos
-        self.pad_id: int = pad
+        return self
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Tokenizer":

@@ -358,7 +358,7 @@ class Trainer:
         tok_json = broadcast_text(tok_json, d)
         if tok_json.startswith(ERROR_MARK):
             raise ValueError(tok_json[len(ERROR_MARK):])
-        self.tok = Tokenizer.from_str(tok_json)
+        self.tok = Tokenizer.from_str(tok_json).require_special_tokens()
         tok_id = hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:12]
         tok_dir = cache / f"tokens-{fp}-{tok_id}"
         failed = ""

@@ -75,7 +75,8 @@ class App:
         self.token_bytes = TokenBytes(HFTokenizer.from_str(self.tokenizer.to_str()),
                                       mcfg.vocab_size)
         eos = mcfg.eos_token_id
-        if eos is None and self.tokenizer.eos_id < mcfg.vocab_size:
+        if eos is None and self.tokenizer.eos_id is not None \
+                and self.tokenizer.eos_id < mcfg.vocab_size:
             eos = self.tokenizer.eos_id
         self.eos_id = eos
         self.limits = Limits.make(self.cfg, mcfg.vocab_size, mcfg.n_layers, mcfg.n_heads,
@@ -192,7 +193,15 @@ class App:
             while self.state.inflight and time.monotonic() < end:
                 time.sleep(0.02)
             self.engine.stop_accepting()
-            self.server.stop(max(0.0, end - time.monotonic())).wait()
+            remaining = max(0.0, end - time.monotonic())
+            if self.state.inflight:
+                # past the grace: the engine ends what is left (queued or decoding) with "the
+                # server is shutting down", which the servicer answers as UNAVAILABLE; only then
+                # gRPC's own stop, whose bare "Cancelling all calls" says nothing to a caller.
+                # The calls end at once, so the short stop grace only lets their status out.
+                self.engine.stop()
+                remaining = 1.0
+            self.server.stop(remaining).wait()
         if hasattr(self, "engine"):
             self.engine.stop()
         if self.metrics_server is not None:

@@ -70,3 +70,24 @@ def test_module_does_not_import_torch():
     code = ("import sys, kvserve.model.tokenizer as t; tok = t.train_bpe(['ab ab'], 260); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_foreign_tokenizer_without_our_special_tokens_loads():
+    """An imported model's tokenizer (e.g. Llama's, with </s> and no pad) still loads: its
+    eos/pad come from the model config; only training insists on ours."""
+    import pytest
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from kvserve.model.tokenizer import Tokenizer
+
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = Tokenizer(raw)
+    assert tok.eos_id is None and tok.pad_id is None
+    assert tok.encode("hello")
+    with pytest.raises(ValueError, match="special tokens"):
+        tok.require_special_tokens()
