@@ -85,6 +85,7 @@ def test_slot_compaction_keeps_results(main_model, main_lm):
     pos_a = np.array(PROMPT_LENGTHS, dtype=np.int64)
     pos_b = pos_a.copy()
     order = [0, 1, 2]  # sequence held by each slot of kv_b
+    worst = 0.0
     for step in range(STEPS):
         if step == leave_at:
             assert kv_b.capacity == 2 * CAPACITY_CHUNK
@@ -102,8 +103,11 @@ def test_slot_compaction_keeps_results(main_model, main_lm):
         for slot, s in enumerate(order):
             want = ref.logits[s][step + 1]
             assert np.abs(lb[slot] - want).max() <= LOGIT_TOL, (step, s)
-            assert np.abs(lb[slot] - la[s]).max() <= 1e-6, (step, s)  # same as unmoved run
+            d = float(np.abs(lb[slot] - la[s]).max())
+            worst = max(worst, d)
+            assert d <= 1e-6, (step, s)  # same as the unmoved run
             assert int(np.argmax(lb[slot])) == ref.tokens[s][step + 1]
+    print(f"compacted vs uncompacted: max |Δlogit| {worst:.2e}")
 
 
 def test_new_buffers_never_reuse_a_stale_binding(main_model, main_lm):
