@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no measurement: rebuild README-table.md and the README section "
                              "from the results JSON")
     parser.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+    parser.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
+                        help="before each size, wait (at most --wait-max seconds) until the "
+                             "1-minute load average is below LOAD (0 = do not wait)")
+    parser.add_argument("--wait-max", type=float, default=900.0)
     parser.add_argument("--profile", action="store_true",
                         help="only profile the decode loop (writes profile.md)")
 
@@ -95,6 +99,17 @@ def loadavg() -> float:
     return os.getloadavg()[0]
 
 
+def wait_for_quiet(threshold: float, max_seconds: float) -> None:
+    if threshold <= 0:
+        return
+    end = time.monotonic() + max_seconds
+    while loadavg() >= threshold and time.monotonic() < end:
+        time.sleep(10)
+    if loadavg() >= threshold:
+        log.warning("load average still %.2f after waiting %.0fs; measuring anyway",
+                    loadavg(), max_seconds)
+
+
 def machine() -> str:
     cpu = "?"
     try:
@@ -131,6 +146,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
         pl = {k: v for k, v in pl.items() if k in want}
     built = B.build(name, cache, genai="genai" in pl, int8="engine_int8" in pl,
                     threads=args.threads)
+    wait_for_quiet(args.wait_load, args.wait_max)
     load_before = loadavg()
     out = {"size": name, "label": built.size.label, "runners": {},
            "meta": {"quick": args.quick, "date": _dt.datetime.now().isoformat(timespec="seconds"),

@@ -15,12 +15,9 @@ import io
 import json
 import pstats
 import statistics
-import threading
 import time
 import tracemalloc
 from pathlib import Path
-
-import numpy as np
 
 from .runners import EngineRunner, LoopRunner, prompts_for
 
@@ -217,6 +214,3 @@ def main(args) -> int:
     print((out / "profile.md").read_text())
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    threading.stack_size(0)

@@ -54,7 +54,6 @@ def read_bandwidth(mb: int = 512, repeats: int = 5, threads: int = 2) -> dict:
 
     best1 = min(one() for _ in range(repeats))
     bestn = min(many() for _ in range(repeats))
-    del a
     return {"array_mb": mb, "repeats": repeats, "gbps_1thread": mb * (1 << 20) / best1 / 1e9,
             f"gbps_{threads}threads": mb * (1 << 20) / bestn / 1e9,
             "gbps": max(mb * (1 << 20) / best1, mb * (1 << 20) / bestn) / 1e9}

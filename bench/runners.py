@@ -203,8 +203,6 @@ class EngineRunner(Runner):
         return out
 
     def stream(self, prompt, n):
-        from kvserve.server.domain import TokenEvent
-
         self.metrics.gaps.clear()
         self.metrics.steps.clear()
         t0 = time.perf_counter()
