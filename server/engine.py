@@ -41,6 +41,8 @@ from .runtime import KVBuffers, OnnxLM
 log = logging.getLogger(__name__)
 
 NEG_INF = np.float32(-np.inf)
+# what a request still queued or decoding when the engine stops is told (as UNAVAILABLE)
+SHUTTING_DOWN = "the server is shutting down (drain grace expired); retry on another replica"
 
 
 class NullMetrics:
@@ -225,10 +227,10 @@ class Engine:
             jobs, self._jobs = self._jobs, []
         for seq in rest:
             if not seq.done:
-                self._finish(seq, FinishReason.CANCELLED, error="server shutting down")
+                self._finish(seq, FinishReason.CANCELLED, error=SHUTTING_DOWN)
         for job in jobs:
             if not job.future.done():
-                job.future.set_exception(Unavailable("server shutting down"))
+                job.future.set_exception(Unavailable(SHUTTING_DOWN))
         log.info("engine stopped")
 
     def _take_admissions(self) -> list[_Seq]:
