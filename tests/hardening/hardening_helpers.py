@@ -97,6 +97,7 @@ class Served:
     def __init__(self, artifact_dir, tmp: Path, *extra, env=None, step_delay: float = 0.0):
         tmp.mkdir(parents=True, exist_ok=True)
         self.port_file = tmp / "port.json"
+        self.port_file.unlink(missing_ok=True)
         self.log_path = tmp / "server.log"
         self._log = open(self.log_path, "w+")
         e = {**os.environ, "KVSERVE_LOG_LEVEL": "INFO", **(env or {})}
