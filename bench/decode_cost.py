@@ -221,6 +221,22 @@ def profile_ops(art: Path, positions: list[int], threads: int, steps: int, seed:
     return out
 
 
+def arithmetic(cfg, rows: list[dict], positions: list[int]) -> dict:
+    """Multiply-accumulates per decode step at batch 1: the weights' (fixed) and attention's
+    (2 * layers * heads * head_dim per attended column: QK^T and PV). Their ratio bounds the
+    step-time ratio for any implementation that runs both at the same efficiency."""
+    d, hd, H, Hkv = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    ffn = d * 2 * cfg.d_ff + cfg.d_ff * d if cfg.ffn == "swiglu" else 2 * d * cfg.d_ff
+    weights = cfg.n_layers * (d * (H + 2 * Hkv) * hd + H * hd * d + ffn) + d * cfg.vocab_size
+    cols = {r["position"]: r["attention_columns"] for r in rows}
+    attn = {p: 2 * cfg.n_layers * H * hd * cols[p] for p in positions}
+    lo, hi = positions[0], positions[-1]
+    return {"weight_macs": weights, "attention_macs": {str(p): attn[p] for p in positions},
+            f"mac_ratio_{hi}_{lo}": (weights + attn[hi]) / (weights + attn[lo]),
+            f"mac_ratio_{hi}_{lo}_unpadded": (weights + 2 * cfg.n_layers * H * hd * (hi + 1))
+            / (weights + 2 * cfg.n_layers * H * hd * (lo + 1))}
+
+
 def markdown(rows: list[dict], positions: list[int]) -> str:
     lines = ["| graph / runtime | position | attention columns | median ms/step | p10-p90 ms | "
              "run_with_iobinding ms | Python overhead µs (share) |",
@@ -270,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     positions = sorted(args.positions)
 
+    from kvserve.model.config import ModelConfig
     from kvserve.server.runtime import session_options
 
     threads = args.threads or session_options(None).intra_op_num_threads
@@ -287,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.perf_counter() - t0
         prof = profile_ops(art, [positions[0], positions[-1]], threads, 200, args.seed) \
             if args.profile else None
+        arith = arithmetic(ModelConfig.load(art / "config.json"), rows, positions)
     info["loadavg_end"] = list(os.getloadavg())
     rat = ratios(rows, positions)
     plain_ratio = rat[f"decode (attention graphs not loaded): {positions[-1]}/{positions[0]}"]
@@ -294,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "preset": args.preset, "batch": 1, "positions": positions, "steps": args.steps,
         "warmup": args.warmup, "block": args.block, "machine": info,
-        "measure_seconds": elapsed, "cells": rows, "ratios": rat,
+        "measure_seconds": elapsed, "cells": rows, "ratios": rat, "arithmetic": arith,
         "target": {"ratio_max": TARGET_RATIO, "ratio": plain_ratio,
                    "met": plain_ratio <= TARGET_RATIO},
     }
@@ -314,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"- {k}: {v:.3f}")
     print(f"\nstep({positions[-1]}) / step({positions[0]}) = {plain_ratio:.3f} "
           f"(target <= {TARGET_RATIO}): {'met' if plain_ratio <= TARGET_RATIO else 'NOT met'}")
+    lo, hi = positions[0], positions[-1]
+    print(f"arithmetic: {arith['weight_macs'] / 1e6:.2f} M weight MACs per step + attention "
+          f"{arith['attention_macs'][str(lo)] / 1e6:.2f} M @{lo} / "
+          f"{arith['attention_macs'][str(hi)] / 1e6:.2f} M @{hi}: MAC ratio "
+          f"{arith[f'mac_ratio_{hi}_{lo}']:.3f} (without the 128-row rounding: "
+          f"{arith[f'mac_ratio_{hi}_{lo}_unpadded']:.3f})")
     if prof is not None:
         print("\nms/step by operator (plain decode, onnxruntime profiler: inflated, compare "
               "columns):\n")
