@@ -31,11 +31,11 @@ class GraphModule(nn.Module):
 
 def example_inputs(model: Transformer, spec: GraphSpec) -> tuple[torch.Tensor, ...]:
     """Shapes chosen so that no dynamic dimension is 0 or 1 in the example (torch.export
-    specialises those): batch 2, sequence 3, past 4."""
+    specialises those): batch 2, sequence 3 (2 with a past), past 4."""
     cfg = model.cfg
     dtype = next(model.parameters()).dtype
     B, P = 2, 4
-    T = 1 if spec.with_past else 3
+    T = 2 if spec.with_past else 3
     ids = torch.randint(0, cfg.vocab_size, (B, T))
     mask = torch.ones(B, P + T if spec.with_past else T, dtype=torch.long)
     mask[0, 0] = 0  # a left-padded row
@@ -52,10 +52,11 @@ def dynamic_shapes(model: Transformer, spec: GraphSpec):
     batch = Dim("batch_size", min=1, max=4096)
     if spec.with_past:
         past = Dim("past_sequence_length", min=1, max=1 << 20)
+        seq = Dim("sequence_length", min=1, max=1 << 20)
         return {
-            "input_ids": {0: batch},
-            "attention_mask": {0: batch, 1: past + 1},
-            "position_ids": {0: batch},
+            "input_ids": {0: batch, 1: seq},
+            "attention_mask": {0: batch, 1: Dim.DYNAMIC},  # = past + seq, inferred
+            "position_ids": {0: batch, 1: seq},
             "past": tuple({0: batch, 2: past} for _ in range(2 * model.cfg.n_layers)),
         }
     seq = Dim("sequence_length", min=1, max=1 << 20)

@@ -33,6 +33,8 @@ def export_graph(model: Transformer, spec: GraphSpec, out_dir: str | Path) -> Pa
             dynamic_shapes=dynamic_shapes(model, spec), optimize=True, verbose=False,
         )
     program.save(str(path), external_data=True)
+    if spec.with_past:
+        _name_dim(path, "attention_mask", 1, "total_sequence_length")
     _check_io(path, spec, cfg)
     log.info("exported %s", path)
     return path
@@ -44,6 +46,20 @@ def _quiet():
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink):
         yield
+
+
+def _name_dim(path: Path, tensor: str, axis: int, name: str) -> None:
+    """Give an inferred symbolic dimension (e.g. ``s53``) its conventional name everywhere."""
+    m = onnx.load(str(path), load_external_data=False)
+    old = next(i for i in m.graph.input if i.name == tensor).type.tensor_type.shape.dim[axis]
+    if not old.dim_param or old.dim_param == name:
+        return
+    before = old.dim_param
+    for v in (*m.graph.input, *m.graph.output, *m.graph.value_info):
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param == before:
+                d.dim_param = name
+    onnx.save(m, str(path))  # the proto only: initializers keep pointing at <name>.onnx.data
 
 
 def _check_io(path: Path, spec: GraphSpec, cfg) -> None:

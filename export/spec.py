@@ -2,8 +2,9 @@
 
 The conventions follow onnxruntime-genai / optimum (see ``../shared/NOTES.md``) with one
 documented difference: ``present.{i}.key/value`` hold only the rows of the tokens fed in this
-call (prefill: the prompt; decode: the one new token), never ``concat(past, new)``. The runtime
-writes them into its preallocated per-sequence buffer, so a decode step copies no cache.
+call (prefill: the prompt; decode: the new token, or a chunk of new tokens when a long prompt is
+fed in pieces), never ``concat(past, new)``. The runtime writes them into its preallocated
+per-sequence buffer, so a decode step copies no cache.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class GraphSpec:
 
     def io_shapes(self, cfg: ModelConfig) -> dict[str, dict]:
         """name -> {"dtype", "shape"} with symbolic dims, for the manifest and the runtime."""
-        seq = 1 if self.with_past else "sequence_length"  # decode: one new token (a fixed dim)
+        seq = "sequence_length"  # decode: 1 new token per step, or a chunk of a long prompt
         total = "total_sequence_length"
         kv = lambda t: ["batch_size", cfg.n_kv_heads, t, cfg.head_dim]  # noqa: E731
         io: dict[str, dict] = {

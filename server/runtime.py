@@ -229,6 +229,32 @@ class OnnxLM:
             attn = [outs[first + i].numpy() for i in range(self.cfg.n_layers)]
         return logits[:, 0], attn
 
+    def extend(self, kv: KVBuffers, slot: int, tokens: np.ndarray,
+               positions: np.ndarray | None = None) -> np.ndarray:
+        """Feed a chunk of T tokens to one slot through the decode graph (chunked prefill of a
+        long prompt or a long Score input): the slot's rows so far are the past, the chunk's
+        K/V rows are written after them. Returns the chunk's logits (T, V)."""
+        T = len(tokens)
+        start = int(kv.used[slot])
+        kv.ensure_capacity(start + T + 1)
+        C = kv.capacity
+        if positions is None:  # a slot's rows are all real tokens: row index == position
+            positions = start + np.arange(T, dtype=np.int64)
+        mask = np.concatenate([kv.mask[slot:slot + 1, :C], np.ones((1, T), np.int64)], 1)
+        feeds = {"input_ids": np.asarray(tokens, np.int64)[None],
+                 "attention_mask": mask,  # (1, C + T)
+                 "position_ids": np.asarray(positions, np.int64)[None]}
+        for i in range(self.cfg.n_layers):
+            feeds[self.past_names[2 * i]] = kv.k[i][slot:slot + 1]  # (1, Hkv, C, D), no copy
+            feeds[self.past_names[2 * i + 1]] = kv.v[i][slot:slot + 1]
+        outs = self.sessions["decode"].run(None, feeds)
+        for i in range(self.cfg.n_layers):
+            kv.k[i][slot, :, start:start + T] = outs[1 + 2 * i][0]  # (Hkv, T, D)
+            kv.v[i][slot, :, start:start + T] = outs[2 + 2 * i][0]
+        kv.mask[slot, start:start + T] = 1
+        kv.used[slot] = start + T
+        return outs[0][0]  # (T, V)
+
     def _binding(self, name: str, kv: KVBuffers, n: int):
         """IO binding for (graph, batch n, buffer generation), built once and reused: the
         inputs are the KV buffers themselves; the outputs are preallocated arrays."""

@@ -128,3 +128,27 @@ def test_new_buffers_never_reuse_a_stale_binding(main_model, main_lm):
         with torch.no_grad():
             want = main_model(torch.tensor([prompt + [5]])).logits[0, -1].numpy()
         assert np.abs(got - want).max() <= LOGIT_TOL, trial
+
+
+def test_chunked_prefill_through_the_decode_graph(main_model, main_lm):
+    """A long input fed in chunks (prefill, then OnnxLM.extend with T > 1 tokens through the
+    decode graph, across a capacity growth) gives the full forward's logits, and decoding
+    continues from the chunked cache."""
+    g = np.random.default_rng(11)
+    ids = g.integers(0, main_model.cfg.vocab_size, 200)
+    with torch.no_grad():
+        want = main_model(torch.tensor(ids[None])).logits[0].numpy()  # (200, V)
+    kv = KVBuffers(main_model.cfg, 2)
+    pre = main_lm.prefill(ids[None, :40], np.ones((1, 40), np.int64))
+    kv.load_prompt(1, pre.present, 0, 40)  # slot 1: slot 0 stays empty
+    got = [pre.logits[0]]
+    for a, b in ((40, 100), (100, 101), (101, 200)):  # 200 rows > one capacity chunk
+        got.append(main_lm.extend(kv, 1, ids[a:b]))
+    assert np.abs(np.concatenate(got) - want).max() <= LOGIT_TOL
+    assert kv.used[1] == 200 and kv.capacity > CAPACITY_CHUNK
+
+    nxt = int(np.argmax(want[-1]))
+    logits, _ = main_lm.decode(kv, 2, np.array([0, nxt]), np.array([0, 200]))
+    with torch.no_grad():
+        ref = main_model(torch.tensor(np.append(ids, nxt)[None])).logits[0, -1].numpy()
+    assert np.abs(logits[1] - ref).max() <= LOGIT_TOL
