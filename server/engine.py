@@ -15,7 +15,9 @@ Each loop iteration:
 No request waits for another to finish: a new request joins at the next iteration.
 
 A prompt whose prefill logits (T x vocab) would pass ``score_chunk_floats`` is prefilled up to
-that many tokens; its remaining prompt tokens are fed through the shared decode steps.
+that many tokens and the rest in chunks of as many through the decode graph (``OnnxLM.extend``);
+with attention diagnostics asked for, the rest goes through the shared decode steps instead,
+which carry the attention rows.
 """
 from __future__ import annotations
 
@@ -301,9 +303,12 @@ class Engine:
             slot = len(self.active)
             self.kv.load_prompt(slot, res.present, b, n)
             self.active.append(seq)
-            if n < len(seq.req.prompt_ids):  # the rest of the prompt goes through decode steps
-                seq.forced.extend(seq.req.prompt_ids[n:])
-                seq.feed = seq.forced.popleft()
+            if n < len(seq.req.prompt_ids):
+                if attention:  # the rest goes through decode steps, which carry attention
+                    seq.forced.extend(seq.req.prompt_ids[n:])
+                    seq.feed = seq.forced.popleft()
+                    continue
+                self._on_logits(seq, self._extend(slot, seq.req.prompt_ids, n), None)
                 continue
             rows = None
             if attention:
@@ -311,6 +316,15 @@ class Engine:
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
             self._on_logits(seq, res.logits[b, T - 1], rows)
+
+    def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
+        cap (through the decode graph with the slot's rows as the past). Returns the last
+        row of logits (V,)."""
+        for a in range(start, len(ids), self.prefill_tokens):
+            chunk = np.asarray(ids[a:a + self.prefill_tokens], np.int64)
+            last = self.lm.extend(self.kv, slot, chunk)[-1]  # (T, V) -> (V,)
+        return last
 
     # --- decoding ------------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -461,9 +475,9 @@ class Engine:
                 self._jobs.remove(job)
 
     def _score_steps(self, job: _ScoreJob) -> Iterator[None]:
-        """Per sequence: prefill the first chunk (its logits under the cap), then feed the rest
-        one token per step through a private KV buffer. Never holds more than one chunk of
-        logits."""
+        """Per sequence: prefill the first chunk (its logits under the cap), then the next
+        chunks through the decode graph with a private KV buffer as their past, one chunk per
+        loop turn (generation steps interleave). Never holds more than one chunk of logits."""
         n_top = job.req.top_logprobs
         results = []
         for ids in job.req.sequences:
@@ -488,10 +502,11 @@ class Engine:
                 kv = KVBuffers(self.cfg, 1, capacity=T + 1)
                 kv.load_prompt(0, res.present, 0, first)
                 del res
-                for pos in range(first, T - 1):
-                    logits, _ = self.lm.decode(kv, 1, np.array([ids[pos]], np.int64),
-                                               np.array([pos], np.int64))
-                    record(pos, logits[0])
+                for a in range(first, T - 1, self.prefill_tokens):  # one chunk per loop turn
+                    chunk = ids[a:min(a + self.prefill_tokens, T - 1)]
+                    logits = self.lm.extend(kv, 0, np.asarray(chunk, np.int64))  # (t, V)
+                    for j in range(len(chunk)):
+                        record(a + j, logits[j])
                     yield
             results.append(ScoredSequence(T, np.asarray(ids[1:], np.int64), lps, tops_i,
                                           tops_l))

@@ -63,7 +63,8 @@ def test_score_invalid(stub, req, msg):
 
 def test_chunked_prefill_for_score_and_generate(artifact):
     """With a logits cap of 8 tokens x vocab, Score and Generate prefill 8 tokens and feed the
-    rest through decode steps: same numbers as torch, never a (T, V) array beyond the cap."""
+    rest in chunks of 8 through the decode graph: same numbers as torch, never a (T, V) array
+    beyond the cap."""
     V = artifact.cfg.vocab_size
     with running_app(artifact, score_chunk_floats=8 * V) as app:
         assert app.engine.prefill_tokens == 8
