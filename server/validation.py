@@ -14,6 +14,10 @@ from .config import ServerConfig
 from .domain import InvalidArgument, OutputParams, ScoreRequest, StopParams, Unimplemented
 
 MAX_REQUEST_ID_CHARS = 128
+# A temperature below this is greedy (vLLM's rule too): dividing float32 logits by ~1e-38 and
+# less overflows to inf, and inf - inf made the sampled token garbage (NaN probabilities),
+# while any temperature this small draws the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 64) - 1
 
 
@@ -75,16 +79,20 @@ def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 
     t = _finite("sampling.temperature", temperature, f"[0, {c.max_temperature}]")
     _need(0.0 <= t <= c.max_temperature,
           f"sampling.temperature must be in [0, {c.max_temperature}] (0 = greedy)")
+    if t < GREEDY_BELOW_TEMPERATURE:
+        t = 0.0
     _need(0 <= top_k <= lim.vocab_size,
           f"sampling.top_k must be in [0, {lim.vocab_size}] (0 = off)")
     p = _finite("sampling.top_p", top_p, "(0, 1]")
     _need(0.0 < p <= 1.0, "sampling.top_p must be in (0, 1]")
     mp = _finite("sampling.min_p", min_p, "[0, 1]")
     _need(0.0 <= mp <= 1.0, "sampling.min_p must be in [0, 1]")
-    rp = _finite("sampling.repetition_penalty", repetition_penalty,
-                 f"(0, {c.max_repetition_penalty}]")
-    _need(0.0 < rp <= c.max_repetition_penalty,
-          f"sampling.repetition_penalty must be in (0, {c.max_repetition_penalty}]")
+    # [1/limit, limit]: a penalty near 0 divides logits into inf (the same NaN garbage)
+    rp_lo = 1.0 / c.max_repetition_penalty
+    rp_range = f"[{rp_lo:g}, {c.max_repetition_penalty}]"
+    rp = _finite("sampling.repetition_penalty", repetition_penalty, rp_range)
+    _need(rp_lo * (1 - 1e-6) <= rp <= c.max_repetition_penalty,  # float32 rounding of 1/limit
+          f"sampling.repetition_penalty must be in {rp_range} (1 = off)")
     for name, v in (("presence_penalty", presence_penalty),
                     ("frequency_penalty", frequency_penalty)):
         v = _finite(f"sampling.{name}", v, f"[-{c.max_abs_penalty}, {c.max_abs_penalty}]")

@@ -127,15 +127,17 @@ CASES = [
     ("min-p-nan", "Generate", G(sampling=S(min_p=NAN)), IA,
      ["sampling.min_p", "finite", "[0, 1]"]),
     ("repetition-penalty-nan", "Generate", G(sampling=S(repetition_penalty=NAN)), IA,
-     ["sampling.repetition_penalty", "finite", "(0, 100.0]"]),
+     ["sampling.repetition_penalty", "finite", "[0.01, 100.0]"]),
     ("repetition-penalty-inf", "Generate", G(sampling=S(repetition_penalty=INF)), IA,
-     ["sampling.repetition_penalty", "finite", "(0, 100.0]"]),
+     ["sampling.repetition_penalty", "finite", "[0.01, 100.0]"]),
     ("repetition-penalty-zero", "Generate", G(sampling=S(repetition_penalty=0)), IA,
-     ["sampling.repetition_penalty", "(0, 100.0]"]),
+     ["sampling.repetition_penalty", "[0.01, 100.0]"]),
+    ("repetition-penalty-tiny", "Generate", G(sampling=S(repetition_penalty=1e-45)), IA,
+     ["sampling.repetition_penalty", "[0.01, 100.0]"]),
     ("repetition-penalty-negative", "Generate", G(sampling=S(repetition_penalty=-2)), IA,
-     ["sampling.repetition_penalty", "(0, 100.0]"]),
+     ["sampling.repetition_penalty", "[0.01, 100.0]"]),
     ("repetition-penalty-over-max", "Generate", G(sampling=S(repetition_penalty=101)), IA,
-     ["sampling.repetition_penalty", "(0, 100.0]"]),
+     ["sampling.repetition_penalty", "[0.01, 100.0]"]),
     ("presence-penalty-nan", "Generate", G(sampling=S(presence_penalty=NAN)), IA,
      ["sampling.presence_penalty", "finite", "[-100.0, 100.0]"]),
     ("presence-penalty-inf", "Generate", G(sampling=S(presence_penalty=INF)), IA,
@@ -288,4 +290,20 @@ def test_detokenize_invalid_utf8_is_replacement_characters(hsrv, artifact):
     assert "\ufffd" in resp.texts[0] and "\ufffd" in resp.texts[1]
     assert resp.texts[2].startswith("ok") and resp.texts[2].endswith("ok")
     assert resp.texts[4] == "ok"
+    assert hsrv.healthy()
+
+
+def test_tiny_temperatures_are_greedy_and_the_lowest_penalty_is_accepted(hsrv):
+    """Found by the fuzz tests: temperature 1e-45 overflowed the logits to inf and drew a
+    garbage token (NaN probabilities). Below 1e-5 a temperature is greedy now; the repetition
+    penalty's range is [1/limit, limit], and its bounds are accepted as sent in float32."""
+    def ids(**kw):
+        return [c.id for c in collect(hsrv.stub.Generate(G("def add(a, b):", 12,
+                                                           sampling=S(**kw))))[0]]
+
+    greedy = ids()
+    for t in (1.4e-45, 1e-38, 1e-30, 9e-6):
+        assert ids(temperature=t, seed=1) == greedy, t
+    assert len(ids(repetition_penalty=0.01, temperature=1.0, seed=2)) == 12
+    assert len(ids(repetition_penalty=100.0)) == 12
     assert hsrv.healthy()
