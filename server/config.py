@@ -27,30 +27,56 @@ class ServerConfig:
     port_file: str = _opt("", "write the bound gRPC (and metrics) port here as JSON once serving")
     provider: str = _opt("auto", "onnxruntime execution provider", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, "onnxruntime intra-op threads (0 = automatic)")
-    max_batch: int = _opt(8, "sequences decoded together in one step")
-    max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED")
-    max_context: int = _opt(0, "prompt + new tokens per sequence (0 = the model's max_seq_len)")
-    default_max_new_tokens: int = _opt(64, "max_new_tokens when a request leaves it at 0")
-    max_new_tokens: int = _opt(1024, "upper bound of max_new_tokens")
-    max_prompt_chars: int = _opt(200_000, "upper bound of a text prompt, in characters")
-    max_stop_strings: int = _opt(8, "stop strings per request")
-    max_stop_string_chars: int = _opt(128, "characters per stop string")
-    max_stop_token_ids: int = _opt(32, "stop token ids per request")
-    max_top_logprobs: int = _opt(20, "top_logprobs per token")
+    max_batch: int = _opt(8, "sequences decoded together in one step",
+                          limit="not an error: further requests wait in the queue")
+    max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED",
+                          limit="RESOURCE_EXHAUSTED at once (Generate; Score calls in progress: "
+                                "max_queue + 1); retry later")
+    max_context: int = _opt(0, "prompt + new tokens per sequence (0 = the model's max_seq_len)",
+                            limit="INVALID_ARGUMENT (a prompt, a Score sequence, or prompt + "
+                                  "max_new_tokens over it)")
+    default_max_new_tokens: int = _opt(64, "max_new_tokens when a request leaves it at 0",
+                                       limit="not an error: the default, capped by the context "
+                                             "left after the prompt")
+    max_new_tokens: int = _opt(1024, "upper bound of max_new_tokens", limit="INVALID_ARGUMENT")
+    max_prompt_chars: int = _opt(200_000, "upper bound of a text prompt, in characters",
+                                 limit="INVALID_ARGUMENT (Generate text, each Score text, each "
+                                       "Tokenize text; a Tokenize call: 4x in all)")
+    max_stop_strings: int = _opt(8, "stop strings per request", limit="INVALID_ARGUMENT")
+    max_stop_string_chars: int = _opt(128, "characters per stop string",
+                                      limit="INVALID_ARGUMENT")
+    max_stop_token_ids: int = _opt(32, "stop token ids per request", limit="INVALID_ARGUMENT")
+    max_top_logprobs: int = _opt(20, "top_logprobs per token",
+                                 limit="INVALID_ARGUMENT (Generate and Score)")
     max_logits_floats: int = _opt(4_000_000, "return_logits: max_new_tokens x vocab floats "
-                                             "per request")
-    max_attention_floats: int = _opt(4_000_000, "attention diagnostics: floats per request")
-    max_score_sequences: int = _opt(32, "sequences per Score call")
-    max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together")
-    score_chunk_floats: int = _opt(8_000_000, "Score: logits floats held at once (prefill "
-                                              "chunk x vocab); the rest is decoded step by step")
-    max_temperature: float = _opt(100.0, "upper bound of temperature")
-    max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty")
-    max_abs_penalty: float = _opt(100.0, "bound of |presence_penalty| and |frequency_penalty|")
+                                             "per request", limit="INVALID_ARGUMENT")
+    max_attention_floats: int = _opt(4_000_000, "attention diagnostics: floats per request",
+                                     limit="INVALID_ARGUMENT")
+    max_score_sequences: int = _opt(32, "sequences per Score call", limit="INVALID_ARGUMENT")
+    max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
+                                 limit="INVALID_ARGUMENT (also: tokens per Detokenize "
+                                       "sequence)")
+    score_chunk_floats: int = _opt(8_000_000, "logits floats held at once (prefill chunk x "
+                                              "vocab): longer prompts and Score inputs go "
+                                              "through the decode graph in chunks of as many "
+                                              "tokens",
+                                   limit="not an error: longer inputs are prefilled in chunks")
+    max_temperature: float = _opt(100.0, "upper bound of temperature",
+                                  limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
+    max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",
+                                         limit="INVALID_ARGUMENT outside [1/limit, limit]")
+    max_abs_penalty: float = _opt(100.0, "bound of |presence_penalty| and |frequency_penalty|",
+                                  limit="INVALID_ARGUMENT")
     request_time_limit: float = _opt(0.0, "seconds a Generate may run (0 = no server limit; "
-                                          "the caller's deadline always applies)")
-    max_concurrent_rpcs: int = _opt(0, "gRPC calls in progress (0 = max_batch + max_queue + 16)")
-    drain_grace: float = _opt(30.0, "seconds in-flight calls get to finish after SIGTERM")
+                                          "the caller's deadline always applies)",
+                                      limit="the stream ends with Complete, finish_reason "
+                                            "TIME_LIMIT (the caller's own deadline: "
+                                            "DEADLINE_EXCEEDED)")
+    max_concurrent_rpcs: int = _opt(0, "gRPC calls in progress (0 = max_batch + max_queue + 16)",
+                                    limit="RESOURCE_EXHAUSTED from gRPC itself")
+    drain_grace: float = _opt(30.0, "seconds in-flight calls get to finish after SIGTERM",
+                              limit="calls still in flight: UNAVAILABLE 'the server is shutting "
+                                    "down'; new calls during the drain: UNAVAILABLE")
     tls_cert: str = _opt("", "PEM certificate chain (enables TLS with --tls-key)")
     tls_key: str = _opt("", "PEM private key")
     auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "

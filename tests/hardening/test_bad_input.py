@@ -62,7 +62,8 @@ LONG_TEXT = "x " * 400  # about 400 tokens: over the context of 256
 CASES = [
     # --- prompt ---
     ("prompt-empty-text", "Generate", G(""), IA, ["prompt is empty", "at least 1 token"]),
-    ("prompt-unset", "Generate", pb.GenerateRequest(), IA, ["prompt is empty", "text or token_ids"]),
+    ("prompt-unset", "Generate", pb.GenerateRequest(), IA,
+     ["prompt is empty", "text or token_ids"]),
     ("prompt-empty-token-ids", "Generate", empty_ids_req(), IA, ["prompt is empty",
                                                                   "at least 1 token"]),
     ("prompt-text-over-context", "Generate", G(LONG_TEXT), IA,
