@@ -211,12 +211,18 @@ def _size_tables(key: str, size: dict) -> list[str]:
     cols = decode_columns(size)
     lines = [f"### {size.get('label', key)}", "",
              "Decode tok/s (batch × new tokens):", "",
-             "| runner | " + " | ".join(cols) + " | peak RSS MB |",
-             "|---|" + "---|" * (len(cols) + 1)]
+             "| runner | " + " | ".join(cols) + " | peak RSS MB | load / others' cores |",
+             "|---|" + "---|" * (len(cols) + 2)]
     for r in names:
         cells = [_fmt(tok_s(size, r, c)) for c in cols]
+        v = runners[r]
         lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells)
-                     + f" | {_fmt(runners[r].get('rss_peak_mb'))} |")
+                     + f" | {_fmt(v.get('rss_peak_mb'))} | {_fmt(v.get('load_before'), 2)} / "
+                       f"{_fmt(v.get('others_cores_before'), 2)} |")
+    errs = [f"{r}: {runners[r]['error'].strip().splitlines()[-1][:200]}" for r in runners
+             if runners[r].get("error")]
+    if errs:
+        lines += ["", "Failed runners: " + "; ".join(errs)]
     lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / p99 "
               "(batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
               "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
