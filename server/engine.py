@@ -166,7 +166,11 @@ class Engine:
             req.deadline = limit if req.deadline is None else min(req.deadline, limit)
         with self._cond:
             self._check_open()
-            free = max(0, self.max_batch - len(self.active))
+            # a sequence that has finished (its caller may already hold the Complete) frees its
+            # slot now, not at the end of the engine's iteration: otherwise a caller who sends
+            # the next request the moment its stream ends can be told RESOURCE_EXHAUSTED
+            busy = sum(not s.done for s in list(self.active))  # list(): one atomic copy
+            free = max(0, self.max_batch - busy)
             if len(self._waiting) - free >= self.max_queue:
                 raise QueueFull(f"the server is at capacity ({self.max_queue} requests "
                                 f"queued); retry later")

@@ -45,7 +45,9 @@ def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
     under a second; the N+Q in flight all complete; a call once capacity frees succeeds."""
     app, stub = small
     slow_decode(monkeypatch, app, STEP)
-    calls = [stub.Generate(gen_request("x", 60)) for _ in range(N + Q)]
+    calls = [stub.Generate(gen_request("x", 60)) for _ in range(N)]
+    assert wait_for(lambda: running(app) == N, 10)
+    calls += [stub.Generate(gen_request("x", 60)) for _ in range(Q)]
     assert wait_for(lambda: running(app) == N and queued(app) == Q, 10)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
@@ -56,7 +58,18 @@ def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
     assert elapsed < 1.0, elapsed
     assert outcome(scrape(app.metrics_server.port), "QueueFull") >= 1
 
-    chunks, done = collect(calls[0])  # a slot frees: a new call is accepted and served
+    # A slot frees: a call sent the moment a stream ends is accepted, even while the engine
+    # has not yet compacted its batch (held here for 0.3 s after a sequence finishes, as a busy
+    # machine may hold it; before the fix this answered RESOURCE_EXHAUSTED).
+    retire = app.engine._retire_done
+
+    def slow_retire():
+        if any(s.done for s in app.engine.active):
+            time.sleep(0.3)
+        retire()
+
+    monkeypatch.setattr(app.engine, "_retire_done", slow_retire)
+    chunks, done = collect(calls[0])
     assert done.generated_tokens == len(chunks) == 60
     _, done = collect(stub.Generate(gen_request("z", 2), timeout=30))
     assert done.generated_tokens == 2
