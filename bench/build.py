@@ -159,16 +159,41 @@ def build_ckpt(hf: Path, out: Path) -> Path:
     return out
 
 
+def code_stamp() -> str:
+    """Fingerprint of the code an artifact is made by (model/, export/): a change there makes
+    the cached artifacts stale."""
+    import hashlib
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in ("model", "export"):
+        for p in sorted((root / pkg).glob("*.py")):
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+STAMP = ".bench-stamp"
+
+
 def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2) -> Path:
+    stamp = code_stamp()
     if (out / "manifest.json").is_file():
-        return out
+        if (out.parent / f"{out.name}{STAMP}").is_file() and \
+                (out.parent / f"{out.name}{STAMP}").read_text() == stamp:
+            return out
+        log.info("%s was made by other model/export code: rebuilding", out)
+        shutil.rmtree(out)
     from kvserve.export.pipeline import export_artifacts
 
     # attention diagnostics graphs are not benchmarked; the perplexity gate is reported, not
     # enforced (random-init weights: perplexity ~ vocab size)
-    return Path(export_artifacts(ckpt, out, precision=precision, attention=False,
-                                 parity_steps=64, max_ppl_increase=10.0, progress=False,
-                                 threads=threads))
+    out = Path(export_artifacts(ckpt, out, precision=precision, attention=False,
+                                parity_steps=64, max_ppl_increase=10.0, progress=False,
+                                threads=threads))
+    # beside the artifact, not in it: the manifest lists every file of the directory
+    (out.parent / f"{out.name}{STAMP}").write_text(stamp)
+    return out
 
 
 def build_genai(hf: Path, out: Path, threads: int = 2) -> Path:

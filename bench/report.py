@@ -268,7 +268,9 @@ def _size_tables(key: str, size: dict) -> list[str]:
                       f" → roofline {_fmt(roof)} tok/s at batch 1; engine reaches "
                       f"{_fmt(got)} tok/s = {_fmt(_ratio(got, roof), 2)} of it"
                       + (f" (steady-state decode step: {_fmt(steady)} tok/s = "
-                         f"{_fmt(_ratio(steady, roof), 2)})" if steady else "") + "."]
+                         f"{_fmt(_ratio(steady, roof), 2)})" if steady else "") + "."
+                      + (" Above 1: the weights are served from cache (L3), not DRAM."
+                         if (_ratio(got, roof) or 0) > 1 else "")]
     if size.get("int8_perplexity"):
         p = size["int8_perplexity"]
         lines += ["", f"int8 perplexity (manifest, {p.get('eval_tokens')} tokens): fp32 "
