@@ -1,10 +1,7 @@
 """Shared fixtures. Tests mirror the modules: tests/model, tests/export, tests/server, ..."""
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,22 +22,11 @@ def _torch_threads():
     yield
 
 
-def _server_conftest():
-    """tests/server/conftest.py as a module of its own, for its build helpers."""
-    name = "kvserve_tests_server_conftest"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parent / "server" / "conftest.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 @pytest.fixture(scope="session")
 def artifact(tmp_path_factory):
     """The tiny served artifact (random init, fixed seed) and its torch model: built once per
-    session by tests/server/conftest.py's build_artifact, shared by tests/server and
-    tests/clients."""
+    session, shared by tests/server, tests/clients and tests/hardening."""
     pytest.importorskip("torch")
-    return _server_conftest().build_artifact(tmp_path_factory.mktemp("server_artifact"))
+    from kvserve_testing import build_artifact
+
+    return build_artifact(tmp_path_factory.mktemp("server_artifact"))

@@ -2,46 +2,16 @@
 when several test directories have a conftest.py)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 
-def _load(path: Path, name: str):
-    """A tests/server module by path under a name of its own (``helpers`` / ``conftest`` are
-    ambiguous module names across test directories)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up there
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-def _server_helper(attr: str):
-    """``attr`` from tests/server/helpers.py, or from tests/server/conftest.py where it was."""
-    server = Path(__file__).resolve().parent.parent / "server"
-    for file, name in (("helpers.py", "kvserve_tests_server_helpers"),
-                       ("conftest.py", "kvserve_tests_server_conftest")):
-        mod = _load(server / file, name)
-        if hasattr(mod, attr):
-            return getattr(mod, attr)
-    raise ImportError(f"tests/server has no {attr}")
-
-
-running_app = _server_helper("running_app")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvserve_testing import free_port, running_app  # noqa: F401  (re-exported)
 
 
 class ServeProcess:

@@ -14,7 +14,6 @@ and ports differ from the compose deployment):
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import os
 import re
 import shutil
@@ -45,41 +44,16 @@ from kvserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
 BUILD_MODEL = REPO / "docker" / "build-model.sh"
-_SERVER_CONFTEST = REPO / "tests" / "server" / "conftest.py"
-
-
-def _server_fixtures():
-    """tests/server/conftest.py as a module of its own (its corpus and seed, not its fixtures)."""
-    name = "kvserve_tests_server_conftest"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _SERVER_CONFTEST)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory) -> Path:
     """The server tests' tiny model (same corpus, preset and seed) through the real export
     pipeline (parity gate, manifest); no attention graphs, which the balancer does not need."""
-    from kvserve.export.pipeline import export_artifacts
-    from kvserve.model.checkpoint import save_checkpoint
-    from kvserve.model.config import preset
-    from kvserve.model.tokenizer import train_bpe
-    from kvserve.model.transformer import Transformer
+    from kvserve_testing import build_artifact
 
-    sf = _server_fixtures()
     root = tmp_path_factory.mktemp("deploy_artifact")
-    tok = train_bpe(sf.TRAIN_TEXTS, vocab_size=512, min_frequency=1)
-    cfg = preset("tiny", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
-                 pad_token_id=tok.pad_id, init_std=0.1)
-    torch.manual_seed(sf.SEED)
-    model = Transformer(cfg).eval()
-    ckpt = save_checkpoint(root / "ckpt", model, tokenizer_json=tok.to_str())
-    return Path(export_artifacts(ckpt, root / "models" / "current", attention=False,
-                                 precision="fp32", progress=False, threads=2))
+    return build_artifact(root, attention=False, out_name="models/current").dir
 
 
 # --- the cluster ------------------------------------------------------------------------------

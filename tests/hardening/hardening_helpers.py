@@ -1,15 +1,12 @@
 """Helpers of the hardening tests (a uniquely named module: ``from conftest import`` is
 ambiguous across test directories).
 
-The request builders and ``running_app`` are tests/server/helpers.py's, loaded by path under a
-module name of their own so that this directory does not depend on tests/server being on
-sys.path.
+The request builders and ``running_app`` come from tests/kvserve_testing.py.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.util
 import ipaddress
 import json
 import os
@@ -24,21 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-def _server_helpers():
-    name = "kvserve_tests_server_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).resolve().parent.parent / "server" / "helpers.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_h = _server_helpers()
-gen_request = _h.gen_request
-collect = _h.collect
-running_app = _h.running_app
+from kvserve_testing import collect, gen_request, running_app  # noqa: E402,F401  (re-exported)
 
 HERE = Path(__file__).resolve().parent
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import (collect, gen_request, to_params, torch_generate, torch_logprobs,
-                     torch_step_logits)
+from kvserve_testing import collect, gen_request, to_params, torch_generate, torch_step_logits
 from kvserve.model.sampling import log_softmax
 from kvserve.v1 import inference_pb2 as pb
 

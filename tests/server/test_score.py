@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from helpers import collect, gen_request, running_app, torch_generate, torch_logprobs, torch_step_logits
+from kvserve_testing import collect, gen_request, running_app, torch_generate, torch_logprobs, torch_step_logits
 from kvserve.model.sampling import log_softmax
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc

@@ -1,0 +1,156 @@
+"""Shared test helpers (a module name of its own: ``conftest``/``helpers`` are ambiguous across
+test directories). ``tests/`` is on sys.path because ``tests/conftest.py`` lives there.
+
+- ``build_artifact``: the session's tiny served model (random init, fixed seed, a BPE trained
+  on a small multilingual text), exported through the real pipeline (parity gate, manifest);
+  the torch model is kept for reference comparisons.
+- ``running_app``: a real gRPC server (``App``) on a free loopback port, drained on exit.
+- request builders and torch references for the server, client and hardening tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TRAIN_TEXTS = [
+    f"# doc {i}\n" + s
+    for i in range(40)
+    for s in (
+        "def add(a, b):\n    return a + b\n",
+        "naïve café, 日本語のテキスト, emoji 😀🚀, Ünïcödé ñ\n",
+        "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+        "for i in range(10):\n    print(i * 2)\n",
+    )
+]
+SEED = 1234
+
+
+@dataclass
+class Artifact:
+    dir: Path
+    model: object  # the torch Transformer
+    tokenizer: object  # kvserve.model.tokenizer.Tokenizer
+    cfg: object  # ModelConfig
+
+
+def build_artifact(root: Path, attention: bool = True, out_name: str = "artifact") -> Artifact:
+    import torch
+
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.config import preset
+    from kvserve.model.tokenizer import train_bpe
+    from kvserve.model.transformer import Transformer
+
+    tok = train_bpe(TRAIN_TEXTS, vocab_size=512, min_frequency=1)
+    cfg = preset("tiny", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
+                 pad_token_id=tok.pad_id, init_std=0.1)
+    torch.manual_seed(SEED)
+    model = Transformer(cfg).eval()
+    ckpt = save_checkpoint(root / "ckpt", model, tokenizer_json=tok.to_str())
+    out = export_artifacts(ckpt, root / out_name, attention=attention, precision="fp32",
+                           progress=False, threads=2)
+    return Artifact(Path(out), model, tok, cfg)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_config(**kw):
+    from kvserve.server.config import ServerConfig
+
+    base = dict(host="127.0.0.1", port=0, metrics_port=-1, threads=1, max_batch=4,
+                max_queue=16, drain_grace=2.0)
+    base.update(kw)
+    return ServerConfig(**base)
+
+
+@contextlib.contextmanager
+def running_app(artifact: Artifact, **kw):
+    """A real server (App) on a free loopback port; drained on exit."""
+    from kvserve.server.app import App
+
+    app = App(artifact.dir, server_config(**kw))
+    app.load()
+    app.start()
+    try:
+        yield app
+    finally:
+        app.drain(0.5)
+
+
+# --- requests ---------------------------------------------------------------------------------
+def gen_request(prompt, max_new_tokens=16, *, ignore_eos=True, sampling=None, stop=(),
+                stop_token_ids=(), min_new_tokens=0, **response):
+    from kvserve.v1 import inference_pb2 as pb
+
+    r = pb.GenerateRequest(
+        stopping=pb.StoppingOptions(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                    stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                    min_new_tokens=min_new_tokens),
+        sampling=sampling or pb.SamplingOptions(),
+        response=pb.ResponseOptions(**response))
+    if isinstance(prompt, str):
+        r.text = prompt
+    else:
+        r.token_ids.ids.extend(prompt)
+    return r
+
+
+def collect(stream):
+    """-> (chunks, complete) of a Generate stream; exactly one Complete, at the end."""
+    chunks, complete = [], None
+    for msg in stream:
+        assert complete is None
+        if msg.HasField("chunk"):
+            chunks.append(msg.chunk)
+        else:
+            complete = msg.complete
+    assert complete is not None, "the stream ended without a Complete event"
+    return chunks, complete
+
+
+# --- torch references -------------------------------------------------------------------------
+def to_params(s):
+    """pb.SamplingOptions -> model.sampling.SamplingParams (unset optionals = off)."""
+    from kvserve.model.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        seed=s.seed if s.HasField("seed") else None)
+
+
+def torch_generate(model, ids, n, params=None):
+    from kvserve.model.generate import generate
+    from kvserve.model.sampling import SamplingParams
+
+    return generate(model, [list(ids)], n, params or SamplingParams()).tokens[0]
+
+
+def torch_step_logits(model, ids) -> np.ndarray:
+    """Logits predicting the token after ``ids`` (full forward, no cache)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([list(ids)])).logits[0, -1].float().numpy()
+
+
+def torch_logprobs(model, ids) -> np.ndarray:
+    """(T-1,) log p(ids[t] | ids[:t])."""
+    import torch
+
+    from kvserve.model.sampling import log_softmax
+
+    with torch.no_grad():
+        lp = log_softmax(model(torch.tensor([list(ids)])).logits[0].float().numpy())
+    return lp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
