@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.model.config import ModelConfig
 
-OPSET = 18
+OPSET = 23  # RMSNormalization is one op from 23 (onnxruntime >= 1.22)
 PRESENT_LAYOUT = "new_rows"  # present.* = K/V of this call's tokens only
 
 

@@ -30,7 +30,6 @@ class Attention(nn.Module):
         kv_out = cfg.n_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, q_out + 2 * kv_out, bias=cfg.qkv_bias)
         self.out = nn.Linear(q_out, cfg.d_model, bias=cfg.out_bias)
-        self.split = (q_out, kv_out, kv_out)
 
     def forward(
         self,
@@ -42,12 +41,13 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
         B, T, _ = x.shape
         H, Hkv, D, G = self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        # one reshape/transpose for all heads; RoPE rotates queries and keys in one go
+        qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H+2Hkv, T, D)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(qkv[:, :H + Hkv], *rope).split((H, Hkv), dim=1)
+            v = qkv[:, H + Hkv:]  # (B, Hkv, T, D)
+        else:
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H|Hkv|Hkv, T, D)
 
         qg = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D): the heads sharing one KV head
         scores = qg @ k.transpose(-1, -2)  # (B, Hkv, G*T, T)
