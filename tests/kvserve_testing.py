@@ -86,6 +86,36 @@ def running_app(artifact: Artifact, **kw):
         app.drain(0.5)
 
 
+def self_signed(tmp: Path) -> tuple[Path, Path, bytes]:
+    """A throwaway certificate for localhost / 127.0.0.1: (cert path, key path, cert PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                critical=False)
+            .sign(key, hashes.SHA256()))
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    cp, kp = tmp / "cert.pem", tmp / "key.pem"
+    cp.write_bytes(pem)
+    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption()))
+    return cp, kp, pem
+
+
 # --- requests ---------------------------------------------------------------------------------
 def gen_request(prompt, max_new_tokens=16, *, ignore_eos=True, sampling=None, stop=(),
                 stop_token_ids=(), min_new_tokens=0, **response):

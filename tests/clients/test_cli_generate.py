@@ -136,17 +136,9 @@ def test_stop_string_reported(cli, target, reference):
 
 
 def test_tls_ca_and_token(cli, artifact, tmp_path):
-    import shutil
-    import subprocess
+    from kvserve_testing import running_app, self_signed
 
-    from client_helpers import running_app
-    if shutil.which("openssl") is None:
-        pytest.skip("needs openssl to make a certificate")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
-                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem")],
-                   check=True, capture_output=True)
+    self_signed(tmp_path)  # cert.pem, key.pem
     with running_app(artifact, tls_cert=str(tmp_path / "cert.pem"),
                      tls_key=str(tmp_path / "key.pem"), auth_token="s3cret") as app:
         server = f"localhost:{app.port}"

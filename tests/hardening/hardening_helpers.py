@@ -6,8 +6,6 @@ The request builders and ``running_app`` come from tests/kvserve_testing.py.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import json
 import os
 import re
@@ -21,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
-from kvserve_testing import collect, gen_request, running_app  # noqa: E402,F401  (re-exported)
+from kvserve_testing import collect, gen_request, running_app, self_signed  # noqa: E402,F401  (re-exported)
 
 HERE = Path(__file__).resolve().parent
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -139,28 +137,3 @@ def slow_decode(monkeypatch, app, seconds: float) -> None:
 
 
 # --- TLS -----------------------------------------------------------------------------------------
-def self_signed(tmp: Path) -> tuple[Path, Path, bytes]:
-    """A throwaway certificate for localhost / 127.0.0.1: (cert path, key path, cert PEM)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .sign(key, hashes.SHA256()))
-    pem = cert.public_bytes(serialization.Encoding.PEM)
-    cp, kp = tmp / "cert.pem", tmp / "key.pem"
-    cp.write_bytes(pem)
-    kp.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                     serialization.PrivateFormat.PKCS8,
-                                     serialization.NoEncryption()))
-    return cp, kp, pem

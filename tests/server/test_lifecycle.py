@@ -10,14 +10,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvserve_testing import collect, gen_request, running_app
+from kvserve_testing import collect, gen_request, running_app, self_signed
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -96,44 +95,9 @@ def test_health_reflection_and_metrics(channel, app, stub):
         assert name in body
 
 
-def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
-    try:
-        import datetime
-
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-    except ImportError:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
-                        "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                        "-keyout", str(tmp / "key.pem"), "-out", str(tmp / "cert.pem")],
-                       check=True, capture_output=True)
-        return (tmp / "cert.pem").read_bytes(), (tmp / "key.pem").read_bytes()
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    import ipaddress
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                critical=False)
-            .sign(key, hashes.SHA256()))
-    return (cert.public_bytes(serialization.Encoding.PEM),
-            key.private_bytes(serialization.Encoding.PEM,
-                              serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
-
-
 def test_tls_and_bearer_auth(artifact, tmp_path):
-    cert, key = _self_signed(tmp_path)
-    (tmp_path / "c.pem").write_bytes(cert)
-    (tmp_path / "k.pem").write_bytes(key)
-    with running_app(artifact, tls_cert=str(tmp_path / "c.pem"), tls_key=str(tmp_path / "k.pem"),
+    cert_path, key_path, cert = self_signed(tmp_path)
+    with running_app(artifact, tls_cert=str(cert_path), tls_key=str(key_path),
                      auth_token="s3cret") as app:
         creds = grpc.ssl_channel_credentials(root_certificates=cert)
         ch = grpc.secure_channel(f"localhost:{app.port}", creds)
