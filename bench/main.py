@@ -172,7 +172,7 @@ def versions() -> dict:
 
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
-    from .roofline import decode_weight_bytes, read_bandwidth
+    from .roofline import bandwidth_in_subprocess, decode_weight_bytes
     from .runners import run_in_subprocess
 
     cache = Path(args.cache)
@@ -211,8 +211,15 @@ def run_size(name: str, args, results_dir: Path) -> dict:
         out["runners"][runner] = res
         log.info("%s: %s done in %.0fs", name, runner, res["wall_seconds"])
     # roofline: bytes per decode step vs read bandwidth
-    bw = read_bandwidth(mb=128 if args.quick else 512, repeats=3 if args.quick else 5,
-                        threads=args.threads)
+    # measured per size, right after its runners; the roofline uses the best figure of the run
+    # (a busy neighbour only ever lowers it)
+    wait_for_quiet(args.wait_load, min(args.wait_max, 30))
+    bw = bandwidth_in_subprocess(128 if args.quick else 512, 3 if args.quick else 7,
+                                 args.threads)
+    global _BEST_BW
+    if _BEST_BW is None or bw["gbps"] > _BEST_BW["gbps"]:
+        _BEST_BW = bw
+    bw = {**_BEST_BW, "this_size_gbps": bw["gbps"]}
     rf = {"bandwidth": bw, "fp32": decode_weight_bytes(built.fp32 / "decode.onnx")}
     steady = _steady(out["runners"].get("loop"))
     if steady:
@@ -229,6 +236,9 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / f"{name}.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     return out
+
+
+_BEST_BW: dict | None = None
 
 
 def _get_ppl(man: dict, key: str):

@@ -32,6 +32,14 @@ import numpy as np
 
 
 def rss_peak_mb() -> float:
+    """This process's peak RSS: VmHWM of its own address space. Not ``ru_maxrss``: Linux
+    carries that across fork+exec, so a runner would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
