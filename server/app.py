@@ -65,7 +65,7 @@ class App:
             verify(self.dir)
         try:
             self.lm = OnnxLM(self.dir, provider=self.cfg.provider,
-                             threads=self.cfg.threads or None,
+                             threads=self.cfg.threads or None, spin=self.cfg.spin,
                              attention=self.cfg.attention and self._has_attention_graphs())
             self.tokenizer = Tokenizer.from_file(self.dir / "tokenizer.json")
         except (OSError, ValueError, KeyError) as e:

@@ -43,6 +43,7 @@ from .runtime import KVBuffers, OnnxLM
 log = logging.getLogger(__name__)
 
 NEG_INF = np.float32(-np.inf)
+_NO_TOKENS = np.zeros(0, np.int64)
 # what a request still queued or decoding when the engine stops is told (as UNAVAILABLE)
 SHUTTING_DOWN = "the server is shutting down (drain grace expired); retry on another replica"
 
@@ -366,9 +367,11 @@ class Engine:
             if banned:
                 x = raw.copy()
                 x[banned] = NEG_INF
-        gen = np.asarray(seq.generated, np.int64)
-        ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen]) \
-            if req.sampling.has_penalties else gen
+        if req.sampling.has_penalties:  # the token arrays are built only when used
+            gen = np.asarray(seq.generated, np.int64)
+            ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen])
+        else:
+            gen = ctx = _NO_TOKENS
         tok = next_token(x, req.sampling, seq.rng, ctx, gen)
         seq.generated.append(tok)
         seq.feed = tok
@@ -455,6 +458,8 @@ class Engine:
                 self.kv.move(last, i)
                 self.active[i] = self.active[last]
             self.active.pop()
+        if gone:  # attention spans the whole capacity: give back what long sequences left
+            self.kv.shrink_to_fit(len(self.active))
 
     # --- scoring -------------------------------------------------------------------------------
     def _advance_jobs(self) -> None:

@@ -48,8 +48,9 @@ def choose_providers(provider: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, spin: bool = False) -> ort.SessionOptions:
     so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
     so.inter_op_num_threads = 1
@@ -120,6 +121,25 @@ class KVBuffers:
         self.mask, self.capacity = mask, new_cap
         self.generation = next(_GENERATIONS)
 
+    def shrink_to_fit(self, n: int) -> None:
+        """After sequences left: when the rows still in use by slots [0, n) fit in half the
+        capacity, move them to smaller buffers. Every decode step attends over the whole
+        capacity, so one long request that finished must not slow the rest down."""
+        needed = int(self.used[:n].max()) + 1 if n else 1
+        target = CAPACITY_CHUNK * ((needed + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
+        if target > self.capacity // 2:
+            return
+        B = self.max_batch
+        self.k = [np.ascontiguousarray(a[:, :, :target]) for a in self.k]
+        self.v = [np.ascontiguousarray(a[:, :, :target]) for a in self.v]
+        mask = np.zeros((B, target + 1), dtype=np.int64)
+        mask[:, :target] = self.mask[:, :target]
+        mask[:, target] = 1
+        mask[n:, :target] = 0  # free slots hold nothing
+        self.used[n:] = 0
+        self.mask, self.capacity = mask, target
+        self.generation = next(_GENERATIONS)
+
     def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
         """Copy one prefilled sequence into ``slot``: ``present`` is the flat list of prefill
         outputs (2L arrays (B, Hkv, T, D)); its last ``length`` positions of batch ``row`` are
@@ -169,13 +189,13 @@ class OnnxLM:
     """The exported graphs of one artifact directory, run by onnxruntime."""
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
-                 threads: int | None = None, attention: bool = True):
+                 threads: int | None = None, attention: bool = True, spin: bool = False):
         self.dir = Path(artifact_dir)
         self.cfg = ModelConfig.load(self.dir / "config.json")
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
         self.providers = choose_providers(provider)
         check_optimized_for(self.manifest, self.providers)
-        so = session_options(threads)
+        so = session_options(threads, spin)
         self.sessions: dict[str, ort.InferenceSession] = {}
         names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"] if attention else [])
         for name in names:

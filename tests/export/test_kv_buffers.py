@@ -152,3 +152,26 @@ def test_chunked_prefill_through_the_decode_graph(main_model, main_lm):
     with torch.no_grad():
         ref = main_model(torch.tensor(np.append(ids, nxt)[None])).logits[0, -1].numpy()
     assert np.abs(logits[1] - ref).max() <= LOGIT_TOL
+
+
+def test_buffers_shrink_when_long_sequences_leave(main_model, main_lm):
+    """Every step attends over the whole capacity, so the buffers shrink back once the long
+    sequence is gone; the remaining sequence's results are unchanged."""
+    g = np.random.default_rng(5)
+    long_ids = g.integers(0, main_model.cfg.vocab_size, 300)
+    short_ids = g.integers(0, main_model.cfg.vocab_size, 6)
+    kv = KVBuffers(main_model.cfg, 2)
+    for slot, ids in ((0, short_ids), (1, long_ids)):
+        pre = main_lm.prefill(ids[None], np.ones((1, len(ids)), np.int64))
+        kv.load_prompt(slot, pre.present, 0, len(ids))
+    assert kv.capacity == 3 * CAPACITY_CHUNK
+    kv.shrink_to_fit(2)  # both still there: nothing to give back
+    assert kv.capacity == 3 * CAPACITY_CHUNK
+    kv.shrink_to_fit(1)  # slot 1 (the long one) left
+    assert kv.capacity == CAPACITY_CHUNK and kv.used[1] == 0
+    logits, _ = main_lm.decode(kv, 1, np.array([7]), np.array([6]))
+    with torch.no_grad():
+        want = main_model(torch.tensor(np.append(short_ids, 7)[None])).logits[0, -1].numpy()
+    assert np.abs(logits[0] - want).max() <= LOGIT_TOL
+    kv.shrink_to_fit(0)
+    assert kv.capacity == CAPACITY_CHUNK
