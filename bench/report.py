@@ -135,11 +135,10 @@ def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
         return ""
     parts = []
     if loop_r is not None and loop_r > r + 0.03:
-        parts.append(f"engine-side cost (raw OnnxLM loop reaches {loop_r:.2f}×): the engine's "
-                     f"KVBuffers keep the capacity of the longest request served so far and "
-                     f"every decode step attends over the whole capacity (640 rows after the "
-                     f"512-token cells), plus per-token bookkeeping; see "
-                     f"bench/results/profile.md")
+        parts.append(f"engine-side cost (raw OnnxLM loop reaches {loop_r:.2f}×): per-token "
+                     f"bookkeeping on the engine thread (sampling, detokenizer, stop checks, "
+                     f"events, metrics) and every decode step attending over the whole buffer "
+                     f"capacity (rounded up to 128 rows); see bench/results/profile.md")
     steps_k = _get(size, "runners", "loop", "step_ms") or {}
     steps_g = _get(size, "runners", "genai", "step_ms") or {}
     if steps_k and steps_g:

@@ -27,9 +27,8 @@ class ServerConfig:
     port_file: str = _opt("", "write the bound gRPC (and metrics) port here as JSON once serving")
     provider: str = _opt("auto", "onnxruntime execution provider", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, "onnxruntime intra-op threads (0 = automatic)")
-    spin: bool = _opt(False, "let idle onnxruntime threads spin between steps (faster only on "
-                             "cores the server has to itself; off: they sleep and leave the "
-                             "cores to the gRPC threads)")
+    spin: bool = _opt(True, "let idle onnxruntime threads spin between ops (lower latency; "
+                            "off: they sleep, which leaves shared or busy cores to others)")
     max_batch: int = _opt(8, "sequences decoded together in one step",
                           limit="not an error: further requests wait in the queue")
     max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED",

@@ -48,7 +48,7 @@ def choose_providers(provider: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def session_options(threads: int | None = None, spin: bool = False) -> ort.SessionOptions:
+def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -189,7 +189,7 @@ class OnnxLM:
     """The exported graphs of one artifact directory, run by onnxruntime."""
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
-                 threads: int | None = None, attention: bool = True, spin: bool = False):
+                 threads: int | None = None, attention: bool = True, spin: bool = True):
         self.dir = Path(artifact_dir)
         self.cfg = ModelConfig.load(self.dir / "config.json")
         self.manifest = json.loads((self.dir / "manifest.json").read_text())
@@ -282,8 +282,8 @@ class OnnxLM:
         hit = self._bound.get(key)
         if hit is not None:
             return hit
-        if len(self._bound) > 256:
-            self._bound.clear()
+        # a binding holds its buffers alive: drop those of reallocated (older) buffer sets
+        self._bound = {k: v for k, v in self._bound.items() if k[2] == kv.generation}
         sess, cfg = self.sessions[name], self.cfg
         b = sess.io_binding()
         ids = np.zeros((n, 1), np.int64)
