@@ -34,6 +34,9 @@ def add_arguments(parser) -> None:
 def main(args) -> int:
     # The exporter logs a warning per optional torchvision op; users need none of them.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    # the exporter's graph passes narrate every rewrite at INFO
+    for name in ("onnx_ir", "onnxscript"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     from .parity import ParityError
     from .precision import PrecisionError
 
