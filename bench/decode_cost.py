@@ -52,15 +52,9 @@ TARGET_RATIO = 1.3
 def machine_info(threads: int) -> dict:
     import onnxruntime as ort
 
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_model": cpu, "cores": os.cpu_count(),
+    from kvserve.bench.main import cpu_model
+
+    return {"cpu_model": cpu_model(), "cores": os.cpu_count(),
             "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else None,
             "onnxruntime": ort.__version__, "numpy": np.__version__,

@@ -146,16 +146,18 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
             time.sleep(5)
 
 
-def machine() -> str:
-    cpu = "?"
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()}"
+    return "unknown"
+
+
+def machine() -> str:
+    return f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
 
 
 def versions() -> dict:
