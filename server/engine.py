@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 NEG_INF = np.float32(-np.inf)
 _NO_TOKENS = np.zeros(0, np.int64)
+_SCORE_BLOCK = 16  # logits rows per log-softmax call in Score (16 x vocab floats stay in cache)
+_SCORE_GROUP = 512  # tokens per shared Score prefill: bigger batches fall out of cache
 # what a request still queued or decoding when the engine stops is told (as UNAVAILABLE)
 SHUTTING_DOWN = "the server is shutting down (drain grace expired); retry on another replica"
 
@@ -110,6 +112,35 @@ class _ScoreJob:
     handle: Handle
     future: concurrent.futures.Future
     steps: Iterator[None] | None = None
+
+
+class _Scored:
+    """Per-token logprobs of one Score sequence, filled chunk by chunk."""
+
+    def __init__(self, ids: list[int], n_top: int):
+        T = len(ids)
+        self.ids, self.n_top = ids, n_top
+        self.lps = np.zeros(T - 1, np.float32)
+        self.tops_i = np.zeros((T - 1, n_top), np.int64) if n_top else None
+        self.tops_l = np.zeros((T - 1, n_top), np.float32) if n_top else None
+
+    def record(self, start: int, rows: np.ndarray) -> None:
+        """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1])."""
+        t = min(len(rows), len(self.ids) - 1 - start)
+        if t <= 0:
+            return
+        for a in range(0, t, _SCORE_BLOCK):  # blocks of rows that stay in cache
+            b = min(a + _SCORE_BLOCK, t)
+            lp = log_softmax(rows[a:b])  # (b - a, V)
+            target = np.asarray(self.ids[start + a + 1:start + b + 1], np.int64)
+            self.lps[start + a:start + b] = lp[np.arange(b - a), target]
+            for j in range(b - a if self.n_top else 0):
+                self.tops_i[start + a + j], self.tops_l[start + a + j] = top_n(lp[j],
+                                                                               self.n_top)
+
+    def result(self) -> ScoredSequence:
+        return ScoredSequence(len(self.ids), np.asarray(self.ids[1:], np.int64), self.lps,
+                              self.tops_i, self.tops_l)
 
 
 class Engine:
@@ -484,42 +515,50 @@ class Engine:
                 self._jobs.remove(job)
 
     def _score_steps(self, job: _ScoreJob) -> Iterator[None]:
-        """Per sequence: prefill the first chunk (its logits under the cap), then the next
-        chunks through the decode graph with a private KV buffer as their past, one chunk per
-        loop turn (generation steps interleave). Never holds more than one chunk of logits."""
-        n_top = job.req.top_logprobs
-        results = []
-        for ids in job.req.sequences:
+        """Sequences short enough share left-padded prefills whose logits (B x T x V) stay
+        under the cap; a longer one prefills its first chunk, then the next chunks through the
+        decode graph with a private KV buffer as their past. One model call per loop turn
+        (generation steps interleave); never more than one chunk of logits held."""
+        seqs, cap = job.req.sequences, self.prefill_tokens
+        group_cap = min(cap, _SCORE_GROUP)
+        acc = [_Scored(ids, job.req.top_logprobs) for ids in seqs]
+        short = sorted((i for i, ids in enumerate(seqs) if len(ids) <= cap),
+                       key=lambda i: len(seqs[i]))
+        group: list[int] = []
+        for i in short + [None]:
+            if group and (i is None or (len(group) + 1) * len(seqs[i]) > group_cap):
+                self._score_prefill([seqs[j] for j in group], [acc[j] for j in group])
+                group = []
+                yield
+            if i is not None:
+                group.append(i)
+        for ids, a in zip(seqs, acc):
             T = len(ids)
-            lps = np.zeros(T - 1, np.float32)
-            tops_i = np.zeros((T - 1, n_top), np.int64) if n_top else None
-            tops_l = np.zeros((T - 1, n_top), np.float32) if n_top else None
-
-            def record(pos: int, row: np.ndarray) -> None:  # row predicts ids[pos + 1]
-                lp = log_softmax(row)
-                lps[pos] = lp[ids[pos + 1]]
-                if n_top:
-                    tops_i[pos], tops_l[pos] = top_n(lp, n_top)
-
-            first = min(T, self.prefill_tokens)
-            arr = np.asarray(ids[:first], np.int64)[None]
+            if T <= cap:
+                continue
+            arr = np.asarray(ids[:cap], np.int64)[None]
             res = self.lm.prefill(arr, np.ones_like(arr))
-            for pos in range(min(first, T - 1)):
-                record(pos, res.logits[0, pos])
+            a.record(0, res.logits[0])
+            kv = KVBuffers(self.cfg, 1, capacity=T + 1)
+            kv.load_prompt(0, res.present, 0, cap)
+            del res
             yield
-            if T > first:
-                kv = KVBuffers(self.cfg, 1, capacity=T + 1)
-                kv.load_prompt(0, res.present, 0, first)
-                del res
-                for a in range(first, T - 1, self.prefill_tokens):  # one chunk per loop turn
-                    chunk = ids[a:min(a + self.prefill_tokens, T - 1)]
-                    logits = self.lm.extend(kv, 0, np.asarray(chunk, np.int64))  # (t, V)
-                    for j in range(len(chunk)):
-                        record(a + j, logits[j])
-                    yield
-            results.append(ScoredSequence(T, np.asarray(ids[1:], np.int64), lps, tops_i,
-                                          tops_l))
-        job.future.set_result(results)
+            for start in range(cap, T - 1, cap):  # one chunk per loop turn
+                chunk = np.asarray(ids[start:min(start + cap, T - 1)], np.int64)
+                a.record(start, self.lm.extend(kv, 0, chunk))  # (t, V)
+                yield
+        job.future.set_result([a.result() for a in acc])
+
+    def _score_prefill(self, seqs: list[list[int]], acc: list["_Scored"]) -> None:
+        T = max(len(ids) for ids in seqs)
+        ids = np.full((len(seqs), T), self.cfg.pad_token_id or 0, np.int64)
+        mask = np.zeros((len(seqs), T), np.int64)
+        for b, s in enumerate(seqs):
+            ids[b, T - len(s):] = s
+            mask[b, T - len(s):] = 1
+        logits = self.lm.prefill(ids, mask).logits  # (B, T, V)
+        for b, (s, a) in enumerate(zip(seqs, acc)):
+            a.record(0, logits[b, T - len(s):])
 
     # --- warm-up -------------------------------------------------------------------------------
     def warmup(self, make_request: Callable[[bool], GenerateRequest], timeout: float = 120.0
