@@ -116,6 +116,44 @@ def self_signed(tmp: Path) -> tuple[Path, Path, bytes]:
     return cp, kp, pem
 
 
+# --- tampering with an artifact (verify / serve refusal tests) ----------------------------------
+def read_manifest(root: Path) -> dict:
+    import json
+
+    return json.loads((root / "manifest.json").read_text())
+
+
+def write_manifest(root: Path, m: dict) -> None:
+    import json
+
+    (root / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
+
+
+def rehash(root: Path, rel: str) -> None:
+    """Make the manifest agree with the file as it is now (so that only the check under test
+    can catch the change)."""
+    from kvserve.export.manifest import sha256_file
+
+    m = read_manifest(root)
+    m["files"][rel] = {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
+    write_manifest(root, m)
+
+
+def relocate_external_data(root: Path, location: str) -> None:
+    """Point one initializer of decode.onnx at ``location`` (where a copy of the real data
+    is, so a loader that follows it would succeed), then re-hash decode.onnx."""
+    import onnx
+
+    path = root / "decode.onnx"
+    m = onnx.load(str(path), load_external_data=False)
+    t = next(t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    for e in t.external_data:
+        if e.key == "location":
+            e.value = location
+    path.write_bytes(m.SerializeToString())
+    rehash(root, "decode.onnx")
+
+
 # --- requests ---------------------------------------------------------------------------------
 def gen_request(prompt, max_new_tokens=16, *, ignore_eos=True, sampling=None, stop=(),
                 stop_token_ids=(), min_new_tokens=0, **response):

@@ -3,32 +3,15 @@ message: changed bytes, truncation, a manifest that does not match (edited hash,
 file, missing file), external data outside the directory (``../``, absolute) and symlinks."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
-import onnx
 import pytest
 
 from kvserve import cli
 from kvserve.export.manifest import sha256_file
+from kvserve_testing import read_manifest, rehash, relocate_external_data, write_manifest
 from kvserve.export.verify import VerifyError, verify_artifacts
-
-
-def _manifest(root: Path) -> dict:
-    return json.loads((root / "manifest.json").read_text())
-
-
-def _write_manifest(root: Path, m: dict) -> None:
-    (root / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
-
-
-def _rehash(root: Path, rel: str) -> None:
-    """Make the manifest agree with the file as it is now (so that only the check under test
-    can catch the change)."""
-    m = _manifest(root)
-    m["files"][rel] = {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
-    _write_manifest(root, m)
 
 
 def _refused(root: Path, pattern: str, capsys) -> None:
@@ -68,15 +51,15 @@ def test_truncated_graph_with_matching_manifest(artifact_copy, capsys):
     """Even re-hashed, a truncated graph is not a readable model."""
     p = artifact_copy / "prefill.onnx"
     p.write_bytes(p.read_bytes()[:100])
-    _rehash(artifact_copy, "prefill.onnx")
+    rehash(artifact_copy, "prefill.onnx")
     _refused(artifact_copy, r"graph prefill .*(not a readable ONNX model|fails onnx\.checker)",
              capsys)
 
 
 def test_edited_hash(artifact_copy, capsys):
-    m = _manifest(artifact_copy)
+    m = read_manifest(artifact_copy)
     m["files"]["config.json"]["sha256"] = "0" * 64
-    _write_manifest(artifact_copy, m)
+    write_manifest(artifact_copy, m)
     _refused(artifact_copy, r"^config\.json does not match its sha256", capsys)
 
 
@@ -96,36 +79,23 @@ def test_missing_graph_entry_file(artifact_copy, capsys):
     """Graph and data file removed and un-listed together: the graph entry still needs them."""
     for rel in ("decode_attn.onnx", "decode_attn.onnx.data"):
         (artifact_copy / rel).unlink()
-    m = _manifest(artifact_copy)
+    m = read_manifest(artifact_copy)
     del m["files"]["decode_attn.onnx"], m["files"]["decode_attn.onnx.data"]
-    _write_manifest(artifact_copy, m)
+    write_manifest(artifact_copy, m)
     _refused(artifact_copy, r"graph decode_attn file 'decode_attn\.onnx' is not hashed", capsys)
 
 
 def test_manifest_path_escaping(artifact_copy, capsys):
-    m = _manifest(artifact_copy)
+    m = read_manifest(artifact_copy)
     m["files"]["../config.json"] = m["files"]["config.json"]
-    _write_manifest(artifact_copy, m)
+    write_manifest(artifact_copy, m)
     _refused(artifact_copy, r"manifest file '\.\./config\.json' escapes the artifact directory",
              capsys)
 
 
-def _relocate(root: Path, location: str) -> None:
-    """Point one initializer of decode.onnx at ``location`` (where a copy of the real data
-    is, so a loader that follows it would succeed), then re-hash decode.onnx."""
-    path = root / "decode.onnx"
-    m = onnx.load(str(path), load_external_data=False)
-    t = next(t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
-    for e in t.external_data:
-        if e.key == "location":
-            e.value = location
-    onnx.save(m, str(path))
-    _rehash(root, "decode.onnx")
-
-
 def test_external_data_location_traversal(artifact_copy, capsys):
     shutil.copy(artifact_copy / "decode.onnx.data", artifact_copy.parent / "decode.onnx.data")
-    _relocate(artifact_copy, "../decode.onnx.data")
+    relocate_external_data(artifact_copy, "../decode.onnx.data")
     _refused(artifact_copy, r"^graph decode external data location '\.\./decode\.onnx\.data' "
                             r"escapes the artifact directory$", capsys)
 
@@ -133,7 +103,7 @@ def test_external_data_location_traversal(artifact_copy, capsys):
 def test_external_data_absolute_location(artifact_copy, capsys):
     outside = artifact_copy.parent / "elsewhere.data"
     shutil.copy(artifact_copy / "decode.onnx.data", outside)
-    _relocate(artifact_copy, str(outside.resolve()))
+    relocate_external_data(artifact_copy, str(outside.resolve()))
     _refused(artifact_copy, r"^graph decode external data location '/.*elsewhere\.data' "
                             r"escapes the artifact directory$", capsys)
 
@@ -141,7 +111,7 @@ def test_external_data_absolute_location(artifact_copy, capsys):
 def test_external_data_unhashed_location(artifact_copy, capsys):
     """Inside the directory but not hashed (the manifest itself is the one such file):
     refused, since no hash vouches for what the graph would read."""
-    _relocate(artifact_copy, "manifest.json")
+    relocate_external_data(artifact_copy, "manifest.json")
     _refused(artifact_copy, r"^graph decode external data 'manifest\.json' is not in the "
                             r"manifest$", capsys)
 
@@ -153,7 +123,7 @@ def test_symlinked_file(artifact_copy, capsys, rel):
     shutil.copy(artifact_copy / rel, target)
     (artifact_copy / rel).unlink()
     (artifact_copy / rel).symlink_to(target)
-    assert sha256_file(artifact_copy / rel) == _manifest(artifact_copy)["files"][rel]["sha256"]
+    assert sha256_file(artifact_copy / rel) == read_manifest(artifact_copy)["files"][rel]["sha256"]
     _refused(artifact_copy, rf"^manifest file '{rel}' goes through a symlink", capsys)
 
 

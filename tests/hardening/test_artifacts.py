@@ -11,7 +11,6 @@ import ast
 import collections
 import concurrent.futures
 import importlib
-import json
 import os
 import pickle
 import shutil
@@ -21,31 +20,16 @@ import sys
 from pathlib import Path
 
 import grpc
-import onnx
 import pytest
 
 from hardening_helpers import collect, gen_request, running_app, serve_cmd
 
-from kvserve.export.manifest import sha256_file
+from kvserve_testing import read_manifest, rehash, relocate_external_data, write_manifest
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 
 # --- tampering -----------------------------------------------------------------------------------
-def _manifest(root: Path) -> dict:
-    return json.loads((root / "manifest.json").read_text())
-
-
-def _write_manifest(root: Path, m: dict) -> None:
-    (root / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True))
-
-
-def _rehash(root: Path, rel: str) -> None:
-    m = _manifest(root)
-    m["files"][rel] = {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
-    _write_manifest(root, m)
-
-
 def truncated_graph(root):
     p = root / "prefill.onnx"
     n = p.stat().st_size
@@ -56,7 +40,7 @@ def truncated_graph(root):
 def truncated_graph_rehashed(root):
     p = root / "prefill.onnx"
     p.write_bytes(p.read_bytes()[:100])
-    _rehash(root, "prefill.onnx")
+    rehash(root, "prefill.onnx")
     return root, ["graph prefill"]
 
 
@@ -77,9 +61,9 @@ def changed_byte_in_weights(root):
 
 
 def manifest_wrong_hash(root):
-    m = _manifest(root)
+    m = read_manifest(root)
     m["files"]["tokenizer.json"]["sha256"] = "0" * 64
-    _write_manifest(root, m)
+    write_manifest(root, m)
     return root, ["tokenizer.json does not match its sha256"]
 
 
@@ -94,28 +78,15 @@ def manifest_missing_file(root):
 
 
 def manifest_graph_io_mismatch(root):
-    m = _manifest(root)
+    m = read_manifest(root)
     m["graphs"]["decode"]["inputs"] = list(reversed(m["graphs"]["decode"]["inputs"]))
-    _write_manifest(root, m)
+    write_manifest(root, m)
     return root, ["graph decode inputs", "differ from the manifest"]
-
-
-def _relocate(root: Path, location: str) -> None:
-    """Point an initializer of decode.onnx at ``location`` (a copy of the real data is there,
-    so a loader that followed it would succeed), then re-hash decode.onnx."""
-    path = root / "decode.onnx"
-    m = onnx.load(str(path), load_external_data=False)
-    t = next(t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
-    for e in t.external_data:
-        if e.key == "location":
-            e.value = location
-    path.write_bytes(m.SerializeToString())
-    _rehash(root, "decode.onnx")
 
 
 def external_data_dotdot(root):
     shutil.copy(root / "decode.onnx.data", root.parent / "decode.onnx.data")
-    _relocate(root, "../decode.onnx.data")
+    relocate_external_data(root, "../decode.onnx.data")
     return root, ["graph decode external data location '../decode.onnx.data' escapes the "
                   "artifact directory"]
 
@@ -123,7 +94,7 @@ def external_data_dotdot(root):
 def external_data_absolute(root):
     outside = root.parent / "elsewhere.data"
     shutil.copy(root / "decode.onnx.data", outside)
-    _relocate(root, str(outside.resolve()))
+    relocate_external_data(root, str(outside.resolve()))
     return root, ["graph decode external data location", "escapes the artifact directory"]
 
 
