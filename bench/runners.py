@@ -237,6 +237,15 @@ class EngineRunner(Runner):
         self.engine.stop()
 
 
+def _torch_score(torch, model, seqs) -> list[np.ndarray]:
+    """Per-token logprobs of a batch of equal-length sequences by one full forward (any model
+    whose output has ``.logits``: kvserve's and transformers')."""
+    with torch.no_grad():
+        x = torch.tensor(np.asarray(seqs, np.int64))
+        lp = torch.log_softmax(model(x).logits.float(), -1)
+        return list(lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].numpy())
+
+
 class TorchRunner(Runner):
     """kvserve's torch model, eager, via model.generate (prefill + one step per token)."""
     name = "torch"
@@ -259,10 +268,7 @@ class TorchRunner(Runner):
         return np.asarray(g.tokens, np.int64)
 
     def score(self, seqs):
-        with self.torch.no_grad():
-            x = self.torch.tensor(np.asarray(seqs, np.int64))
-            lp = self.torch.log_softmax(self.model(x).logits.float(), -1)
-            return list(lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].numpy())
+        return _torch_score(self.torch, self.model, seqs)
 
 
 class HFRunner(Runner):
@@ -288,10 +294,7 @@ class HFRunner(Runner):
         return out[:, prompts.shape[1]:].numpy()
 
     def score(self, seqs):
-        with self.torch.no_grad():
-            x = self.torch.tensor(np.asarray(seqs, np.int64))
-            lp = self.torch.log_softmax(self.model(x).logits.float(), -1)
-            return list(lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0].numpy())
+        return _torch_score(self.torch, self.model, seqs)
 
 
 class GenaiRunner(Runner):

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from kvserve.model.sampling import log_softmax
-from kvserve.server.runtime import OnnxLM, _cpu_flags
+from kvserve.server.runtime import OnnxLM, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def machine_features() -> dict:
     import onnxruntime as ort
 
     return {"provider": "CPUExecutionProvider", "onnxruntime": ort.__version__,
-            "machine": platform.machine(), "cpu_flags": sorted(_cpu_flags() & SIMD_FLAGS)}
+            "machine": platform.machine(), "cpu_flags": sorted(cpu_flags() & SIMD_FLAGS)}
 
 
 SIMD_FLAGS = {"sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",

@@ -70,7 +70,7 @@ def check_optimized_for(manifest: dict, providers: list[str]) -> None:
     if tied.get("onnxruntime") != ort.__version__:
         problems.append(f"onnxruntime {ort.__version__} (optimised with "
                         f"{tied.get('onnxruntime')})")
-    missing = sorted(set(tied.get("cpu_flags", [])) - _cpu_flags())
+    missing = sorted(set(tied.get("cpu_flags", [])) - cpu_flags())
     if missing:
         problems.append(f"this CPU lacks {', '.join(missing)}")
     if problems:
@@ -79,7 +79,7 @@ def check_optimized_for(manifest: dict, providers: list[str]) -> None:
                            "this machine.")
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
