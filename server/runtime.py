@@ -89,6 +89,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def _chunks(rows: int) -> int:
+    """Rows rounded up to a whole number of capacity chunks."""
+    return CAPACITY_CHUNK * ((rows + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
+
+
 class KVBuffers:
     """Per-layer key/value homes for up to ``max_batch`` sequences."""
 
@@ -104,40 +109,37 @@ class KVBuffers:
         self.ensure_capacity(capacity)
 
     def ensure_capacity(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        new_cap = CAPACITY_CHUNK * ((needed + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
-        cfg, B = self.cfg, self.max_batch
-        shape = (B, cfg.n_kv_heads, new_cap, cfg.head_dim)
-        old_k, old_v, old_c = self.k, self.v, self.capacity
-        self.k = [np.zeros(shape, self.dtype) for _ in range(cfg.n_layers)]
-        self.v = [np.zeros(shape, self.dtype) for _ in range(cfg.n_layers)]
-        for i in range(len(old_k)):
-            self.k[i][:, :, :old_c] = old_k[i]
-            self.v[i][:, :, :old_c] = old_v[i]
-        mask = np.zeros((B, new_cap + 1), dtype=np.int64)
-        mask[:, :old_c] = self.mask[:, :old_c]
-        mask[:, new_cap] = 1  # the column of the token being decoded
-        self.mask, self.capacity = mask, new_cap
-        self.generation = next(_GENERATIONS)
+        if needed > self.capacity:
+            self._reallocate(_chunks(needed))
 
     def shrink_to_fit(self, n: int) -> None:
         """After sequences left: when the rows still in use by slots [0, n) fit in half the
         capacity, move them to smaller buffers. Every decode step attends over the whole
         capacity, so one long request that finished must not slow the rest down."""
-        needed = int(self.used[:n].max()) + 1 if n else 1
-        target = CAPACITY_CHUNK * ((needed + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
-        if target > self.capacity // 2:
-            return
-        B = self.max_batch
-        self.k = [np.ascontiguousarray(a[:, :, :target]) for a in self.k]
-        self.v = [np.ascontiguousarray(a[:, :, :target]) for a in self.v]
-        mask = np.zeros((B, target + 1), dtype=np.int64)
-        mask[:, :target] = self.mask[:, :target]
-        mask[:, target] = 1
-        mask[n:, :target] = 0  # free slots hold nothing
-        self.used[n:] = 0
-        self.mask, self.capacity = mask, target
+        target = _chunks(int(self.used[:n].max()) + 1 if n else 1)
+        if target <= self.capacity // 2:
+            self.mask[n:] = 0  # free slots hold nothing
+            self.used[n:] = 0
+            self._reallocate(target)
+
+    def _reallocate(self, new_cap: int) -> None:
+        """New (max_batch, Hkv, new_cap, D) buffers keeping the first min(old, new) rows."""
+        cfg, B = self.cfg, self.max_batch
+        keep = min(self.capacity, new_cap)
+        shape = (B, cfg.n_kv_heads, new_cap, cfg.head_dim)
+
+        def resized(old: np.ndarray | None) -> np.ndarray:
+            new = np.zeros(shape, self.dtype)
+            if old is not None:
+                new[:, :, :keep] = old[:, :, :keep]
+            return new
+
+        self.k = [resized(a) for a in (self.k or [None] * cfg.n_layers)]
+        self.v = [resized(a) for a in (self.v or [None] * cfg.n_layers)]
+        mask = np.zeros((B, new_cap + 1), dtype=np.int64)
+        mask[:, :keep] = self.mask[:, :keep]
+        mask[:, new_cap] = 1  # the column of the token being decoded
+        self.mask, self.capacity = mask, new_cap
         self.generation = next(_GENERATIONS)
 
     def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
