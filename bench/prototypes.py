@@ -80,7 +80,7 @@ def export_div_norm(ckpt: str, out: Path) -> Path:
     if (out / "decode.onnx").is_file():
         return out
     from kvserve.export.onnx_export import export_graph
-    from kvserve.export.spec import DECODE
+    from kvserve.artifact.spec import DECODE
     from kvserve.model import layers
     from kvserve.model.checkpoint import load_model
 

@@ -6,7 +6,7 @@ import torch.nn as nn
 
 from kvserve.model.transformer import Transformer
 
-from .spec import GraphSpec
+from kvserve.artifact.spec import GraphSpec
 
 
 class GraphModule(nn.Module):

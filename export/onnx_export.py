@@ -13,7 +13,7 @@ import torch
 from kvserve.model.transformer import Transformer
 
 from .graphs import GraphModule, dynamic_shapes, example_inputs
-from .spec import OPSET, GraphSpec
+from kvserve.artifact.spec import OPSET, GraphSpec
 
 log = logging.getLogger(__name__)
 

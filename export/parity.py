@@ -1,6 +1,7 @@
 """The parity gate: torch vs onnxruntime on a left-padded batch, prefill + N decode steps.
 
-The ONNX side runs exactly the server's path (``server.runtime.OnnxLM`` with its KV buffers).
+The ONNX side runs exactly the server's path (the artifact's runner, ``FusedLM`` or
+``PortableLM``, with its KV cache).
 Decode is teacher-forced with torch's greedy tokens, so every step compares logits for the
 same context, and the ONNX argmax must pick torch's token at every step.
 """
@@ -13,7 +14,6 @@ import torch
 
 from kvserve.model.generate import generate, left_pad
 from kvserve.model.transformer import Transformer
-from kvserve.server.runtime import KVBuffers, OnnxLM
 
 FP32_TOLERANCE = 1e-4  # max |Δlogit|, the optimum exporters' ATOL
 ATTENTION_TOLERANCE = 1e-5  # max |Δp| of attention probabilities
@@ -45,58 +45,52 @@ def parity_prompts(vocab_size: int, batch: int = 3, seed: int = 0) -> list[list[
     return [g.integers(0, vocab_size, n).tolist() for n in lengths]
 
 
-def measure(model: Transformer, lm: OnnxLM, prompts: list[list[int]], steps: int = 64,
+def measure(model: Transformer, lm, prompts: list[list[int]], steps: int = 64,
             attention: bool = False) -> ParityReport:
+    """``lm``: FusedLM or PortableLM. Torch runs the left-padded batch; the runner its own
+    layout (right-padded slots, or left-padded prefill); real positions are compared."""
     B = len(prompts)
     ref = generate(model, prompts, steps + 1, keep_logits=True)  # greedy, torch
     ids, mask = left_pad(prompts, model.cfg.pad_token_id or 0)
-    pre = lm.prefill(ids.numpy(), mask.numpy(), attention=attention)
+    kv = lm.new_cache(B)
+    pre = lm.prefill(kv, 0, prompts, attention=attention)
     with torch.no_grad():
         t_out = model(ids, mask, output_attentions=attention)
-    real = mask.numpy().astype(bool)  # compare real positions only
-    d_prefill = float(np.abs(pre.logits - t_out.logits.numpy())[real].max())
+    T = ids.shape[1]
+    d_prefill = max(float(np.abs(pre.logits[b] - t_out.logits[b, T - len(p):].numpy()).max())
+                    for b, p in enumerate(prompts))
     d_attn = None
     if attention:
-        d_attn = max(float(np.abs(a - t.numpy()).max())
-                     for a, t in zip(pre.attentions, t_out.attentions))
+        d_attn = max(float(np.abs(pre.attention[b][layer]
+                                  - t[b, :, T - len(p):, T - len(p):].numpy()).max())
+                     for b, p in enumerate(prompts) for layer, t in enumerate(t_out.attentions))
 
-    kv = KVBuffers(model.cfg, B)
-    for b, p in enumerate(prompts):
-        kv.load_prompt(b, pre.present, b, len(p))
-    positions = np.array([len(p) for p in prompts], dtype=np.int64)
     d_decode, agree = 0.0, 0
     for step in range(steps):
         tokens = np.array([ref.tokens[b][step] for b in range(B)], dtype=np.int64)
-        logits, attn = lm.decode(kv, B, tokens, positions, attention=attention and step < 4)
-        positions += 1
+        logits, attn = lm.decode(kv, B, tokens, attention=attention and step < 4)
         for b in range(B):
             want = ref.logits[b][step + 1]
             d_decode = max(d_decode, float(np.abs(logits[b] - want).max()))
             agree += int(np.argmax(logits[b]) == ref.tokens[b][step + 1])
         if attn is not None:
-            d_attn = max(d_attn, _decode_attention_diff(model, prompts, ref.tokens, step, attn,
-                                                        kv))
+            d_attn = max(d_attn, _decode_attention_diff(model, prompts, ref.tokens, step, attn))
     total = steps * B
     return ParityReport(d_prefill, d_decode, steps, B, agree == total, agree / total, d_attn,
                         None)
 
 
-def _decode_attention_diff(model, prompts, tokens, step, attn, kv) -> float:
-    """Torch attention of the token fed at ``step`` vs the decode graph's, per row, mapped
-    from buffer columns (valid rows + the new token) to sequence positions."""
+def _decode_attention_diff(model, prompts, tokens, step, attn) -> float:
+    """Torch attention of the token fed at ``step`` vs the runner's row (L, H, T_b) per
+    sequence: the sequence's tokens in order, the new one last."""
     worst = 0.0
     for b, p in enumerate(prompts):
         seq = list(p) + tokens[b][:step + 1]
         with torch.no_grad():
             out = model(torch.tensor([seq]), output_attentions=True)
-        for layer, a in enumerate(attn):
-            want = out.attentions[layer][0, :, -1].numpy()  # (H, S)
-            row = a[b, :, 0]  # (H, C + 1)
-            valid = np.concatenate([np.flatnonzero(kv.mask[b, :kv.capacity])[:len(seq) - 1],
-                                    [kv.capacity]])
-            worst = max(worst, float(np.abs(row[:, valid] - want).max()))
-            rest = np.setdiff1d(np.arange(row.shape[1]), valid)
-            worst = max(worst, float(np.abs(row[:, rest]).max(initial=0.0)))
+        for layer, t in enumerate(out.attentions):
+            want = t[0, :, -1].numpy()  # (H, S)
+            worst = max(worst, float(np.abs(attn[b][layer] - want).max()))
     return worst
 
 

@@ -1,8 +1,11 @@
 """``export_artifacts``: checkpoint -> verified artifact directory, or an exception and nothing.
 
-Steps: export fp32 graphs (one function per spec) -> parity gate against torch -> optional
-precision transform (fp16 / int8) with its own measurements -> manifest -> verify -> atomic
-rename into place. A failed gate leaves no artifact behind.
+Steps: fp32 graphs (the fused graph built op by op, or with ``portable`` the torch-exported
+standard-ops graphs, one function per spec) -> parity gate against torch -> optional precision
+transform (fp16 / int8 / int4) with its own measurements -> manifest (with the ``runtime`` entry
+the runtime reads) -> verify -> atomic rename into place. A failed gate leaves no artifact
+behind. A config the fused graph cannot express is exported portable, and the manifest says
+why.
 """
 from __future__ import annotations
 
@@ -21,23 +24,24 @@ import torch
 from tqdm import tqdm
 
 import kvserve
+from kvserve.artifact.loader import load_lm
+from kvserve.artifact.manifest import MANIFEST, sha256_file, write_manifest
+from kvserve.artifact.spec import (ALL_SPECS, DECODE, FUSED, OPSET, PORTABLE, PREFILL, FusedSpec,
+                                   runtime_section)
+from kvserve.artifact.verify import verify_artifacts
 from kvserve.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model
-from kvserve.server.runtime import OnnxLM
 
+from . import fused
 from . import precision as prec
-from .manifest import sha256_file, write_manifest
-from .onnx_export import export_graph
 from .parity import FP32_TOLERANCE, gate, measure, parity_prompts
-from .spec import ALL_SPECS, DECODE, OPSET, PREFILL, PRESENT_LAYOUT
-from .verify import verify_artifacts
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp32",
-                     attention: bool = True, parity_steps: int = 64,
+                     attention: bool = True, portable: bool = False, parity_steps: int = 64,
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
                      optimize: bool = False, overwrite: bool = False, progress: bool = True,
                      threads: int | None = None) -> Path:
@@ -50,7 +54,15 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
     model = load_model(ckpt)
     cfg = model.cfg
-    specs = ALL_SPECS if attention else (PREFILL, DECODE)
+    why_portable = [] if portable else fused.unsupported(cfg)
+    kind = PORTABLE if portable or why_portable else FUSED
+    if why_portable:
+        log.warning("exporting the portable graphs: the fused graph cannot express this model "
+                    "(%s)", "; ".join(why_portable))
+    if kind == PORTABLE and precision == "int4":
+        raise ValueError("--precision int4 needs the fused graph (MatMulNBits); this export is "
+                         "portable")
+    specs = _specs(kind, attention)
     transformed = precision != "fp32" or optimize
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -59,11 +71,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     steps = len(specs) + 3 + (len(specs) + 1 if transformed else 0)
     bar = tqdm(total=steps, desc="export", unit="step", disable=not progress, leave=True)
     try:
-        for spec in specs:
-            bar.set_description(f"export {spec.name}")
-            export_graph(model, spec, work)
-            bar.update()
-        _graphs_manifest(work, cfg, specs)
+        _write_graphs(model, kind, specs, work, bar)
+        _graphs_manifest(work, cfg, kind, specs)
         for name in (CONFIG, TOKENIZER):
             if (ckpt / name).is_file():
                 shutil.copy(ckpt / name, tmp / name)
@@ -71,7 +80,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
 
         bar.set_description("parity fp32")
         prompts = parity_prompts(cfg.vocab_size)
-        lm32 = OnnxLM(work, provider="cpu", threads=threads, attention=attention)
+        lm32 = load_lm(work, provider="cpu", threads=threads, attention=attention)
         report32 = measure(model, lm32, prompts, parity_steps, attention=attention)
         gate(report32, FP32_TOLERANCE)
         bar.update()
@@ -80,27 +89,14 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
         del lm32
 
-        machine = None
-        for spec in specs:
-            src, dst = work / spec.filename, tmp / spec.filename
-            if precision == "fp32":
-                for p in work.glob(spec.filename + "*"):
-                    p.rename(tmp / p.name)
-            else:
-                bar.set_description(f"{precision} {spec.name}")
-                prec.convert(src, dst, precision)
-            if optimize:
-                bar.set_description(f"optimize {spec.name}")
-                machine = prec.optimize_offline(dst)
-            if transformed:
-                bar.update()
+        machine = _transform(kind, specs, work, tmp, precision, optimize, bar)
         shutil.rmtree(work)
 
         if transformed:
             label = precision + ("+optimized" if optimize else "")
             bar.set_description(f"parity {label}")
-            _graphs_manifest(tmp, cfg, specs)
-            lm = OnnxLM(tmp, provider="cpu", threads=threads, attention=attention)
+            _graphs_manifest(tmp, cfg, kind, specs, kv_dtype=_kv_dtype(kind, precision))
+            lm = load_lm(tmp, provider="cpu", threads=threads, attention=attention)
             report = measure(model, lm, prompts, parity_steps,
                              attention=attention and precision == "fp32")
             if precision == "fp32":
@@ -120,7 +116,9 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             bar.update()
 
         bar.set_description("manifest")
-        content = _manifest_content(ckpt, cfg, specs, precision, parity, ppl, eval_ids)
+        content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids)
+        if why_portable:
+            content["runtime"]["portable_because"] = why_portable
         if machine is not None:
             content["optimized_for"] = machine
         write_manifest(tmp, content)
@@ -139,14 +137,81 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     return out
 
 
-def _graphs_manifest(root: Path, cfg, specs) -> None:
+def _specs(kind: str, attention: bool) -> tuple:
+    if kind == FUSED:
+        return (FusedSpec(), FusedSpec(attention=True)) if attention else (FusedSpec(),)
+    return ALL_SPECS if attention else (PREFILL, DECODE)
+
+
+def _write_graphs(model, kind: str, specs, work: Path, bar) -> None:
+    """The fp32 graphs into ``work``. Fused: the main graph, and the attention graph derived
+    from it sharing its weights file."""
+    if kind == FUSED:
+        bar.set_description("build fused graph")
+        weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+        fused.save(fused.build_fused(model.cfg, weights, specs[0]), work / specs[0].filename)
+        bar.update()
+        if len(specs) > 1:
+            fused.save_attention_variant(work / specs[0].filename, work / specs[1].filename)
+            bar.update()
+        return
+    from .onnx_export import export_graph  # torch.onnx: only the portable graphs need it
+
+    for spec in specs:
+        bar.set_description(f"export {spec.name}")
+        export_graph(model, spec, work)
+        bar.update()
+
+
+def _transform(kind: str, specs, work: Path, tmp: Path, precision: str, optimize: bool,
+               bar) -> dict | None:
+    """Move (fp32) or convert the graphs from ``work`` into ``tmp``; optionally optimise."""
+    machine = None
+    first = specs[0]
+    for spec in specs:
+        src, dst = work / spec.filename, tmp / spec.filename
+        if kind == FUSED and spec is not first:  # derived again from the converted main graph
+            fused.save_attention_variant(tmp / first.filename, dst)
+        elif precision == "fp32":
+            for p in work.glob(spec.filename + "*"):
+                p.rename(tmp / p.name)
+        else:
+            bar.set_description(f"{precision} {spec.name}")
+            prec.convert(src, dst, precision)
+        if optimize:
+            bar.set_description(f"optimize {spec.name}")
+            machine = prec.optimize_offline(dst)
+        if precision != "fp32" or optimize:
+            bar.update()
+    return machine
+
+
+def _kv_dtype(kind: str, precision: str) -> str:
+    return "float16" if kind == FUSED and precision == "fp16" else "float32"
+
+
+def _graphs_manifest(root: Path, cfg, kind: str, specs, kv_dtype: str = "float32") -> None:
     """The runtime finds graphs through the manifest; a provisional one serves until the end."""
-    (root / "manifest.json").write_text(json.dumps({"graphs": _graph_entries(cfg, specs)}))
+    (root / MANIFEST).write_text(json.dumps({"graphs": _graph_entries(cfg, specs, kv_dtype),
+                                             "runtime": _runtime(cfg, kind, specs, kv_dtype)}))
 
 
-def _graph_entries(cfg, specs) -> dict:
+def _runtime(cfg, kind: str, specs, kv_dtype: str) -> dict:
+    if kind == FUSED:
+        graphs = {"main": specs[0].filename}
+        if len(specs) > 1:
+            graphs["attention"] = specs[1].filename
+    else:
+        graphs = {s.name: s.filename for s in specs}
+    return runtime_section(kind, cfg, graphs, kv_dtype)
+
+
+def _graph_entries(cfg, specs, kv_dtype: str = "float32") -> dict:
+    def io(s):
+        return s.io_shapes(cfg, kv_dtype) if isinstance(s, FusedSpec) else s.io_shapes(cfg)
+
     return {s.name: {"file": s.filename, "inputs": s.input_names(cfg),
-                     "outputs": s.output_names(cfg), "io": s.io_shapes(cfg)} for s in specs}
+                     "outputs": s.output_names(cfg), "io": io(s)} for s in specs}
 
 
 def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
@@ -166,21 +231,22 @@ def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
     return ids if len(ids) >= 16 else None
 
 
-def _manifest_content(ckpt, cfg, specs, precision, parity, ppl, eval_ids) -> dict:
+def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids) -> dict:
+    kv_dtype = _kv_dtype(kind, precision)
     content = {
         "producer": {"kvserve": kvserve.__version__, "torch": torch.__version__,
                      "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
                      "python": platform.python_version()},
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "precision": precision,
-        "opset": OPSET,
-        "present_layout": PRESENT_LAYOUT,
-        "kv_dtype": "float32",
+        "kind": kind,
+        "opset": OPSET if kind == PORTABLE else fused.FUSED_OPSET,
+        "runtime": _runtime(cfg, kind, specs, kv_dtype),
         "model": {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
                   "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
                   "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id},
-        "graphs": _graph_entries(cfg, specs),
+        "graphs": _graph_entries(cfg, specs, kv_dtype),
         "parity": parity,
         "source": {"checkpoint": ckpt.name, "weights_sha256": sha256_file(ckpt / WEIGHTS)},
     }

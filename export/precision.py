@@ -6,6 +6,10 @@
   measured) but is not faster.
 - int8: ``onnxruntime.quantization.quantize_dynamic`` (weights int8, activations quantized
   per call): the documented CPU speed route.
+- int4 (fused graphs): weight-only 4-bit blocks (``MatMulNBits``, block 32, symmetric), as
+  onnxruntime-genai's builder makes for CPU.
+On fused graphs fp16 also makes the KV buffers float16 (past and present are one buffer, so
+they cannot keep float32 around a float16 op); logits stay float32.
 """
 from __future__ import annotations
 
@@ -15,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from kvserve.artifact.providers import cpu_flags
 from kvserve.model.sampling import log_softmax
-from kvserve.server.runtime import OnnxLM, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +31,19 @@ class PrecisionError(RuntimeError):
     pass
 
 
+INT4_BLOCK = 32
+
+
 def convert(src: Path, dst: Path, precision: str) -> None:
     data_name = dst.name + ".data"
+    fused = any(n.op_type == "GroupQueryAttention"
+                for n in onnx.load(str(src), load_external_data=False).graph.node)
     if precision == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         model = onnx.load(str(src))  # with external data
-        model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=False)
+        model = convert_float_to_float16(model, keep_io_types=["logits"] if fused else True,
+                                         disable_shape_infer=fused)
         _toposort(model.graph)  # the converter appends its input casts after their users
         onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
                   all_tensors_to_one_file=True, size_threshold=1024)
@@ -42,13 +52,25 @@ def convert(src: Path, dst: Path, precision: str) -> None:
 
         quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8,
                          use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
+                         extra_options={"MatMulConstBOnly": True,
+                                        # contrib ops (fused graphs) defeat shape inference
+                                        "DefaultTensorType": onnx.TensorProto.FLOAT})
         # quantize_dynamic names the data file after dst; make it <name>.onnx.data
         model = onnx.load(str(dst))
         for p in dst.parent.glob(dst.name + "*"):
             if p != dst:
                 p.unlink()
         onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
+                  all_tensors_to_one_file=True, size_threshold=1024)
+    elif precision == "int4":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        if not fused:
+            raise PrecisionError("int4 needs the fused graph")
+        q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=INT4_BLOCK,
+                                 is_symmetric=True, accuracy_level=4)
+        q.process()
+        onnx.save(q.model.model, str(dst), save_as_external_data=True, location=data_name,
                   all_tensors_to_one_file=True, size_threshold=1024)
     else:
         raise ValueError(f"unknown precision {precision!r}")
@@ -114,17 +136,17 @@ def _toposort(graph: onnx.GraphProto) -> None:
     graph.node.extend(ordered)
 
 
-def perplexity(lm: OnnxLM, ids: list[int], window: int) -> float:
-    """Perplexity of ``ids`` through the prefill graph, in non-overlapping windows."""
+def perplexity(lm, ids: list[int], window: int) -> float:
+    """Perplexity of ``ids`` through the runner's prefill, in non-overlapping windows."""
     window = max(2, min(window, 512))
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = np.asarray(ids[start:start + window + 1], dtype=np.int64)
         if len(chunk) < 2:
             break
-        x = chunk[None, :-1]
-        out = lm.prefill(x, np.ones_like(x))
-        lp = log_softmax(out.logits[0])  # (T, V)
+        kv = lm.new_cache(1, capacity=len(chunk))
+        logits = lm.prefill(kv, 0, [chunk[:-1]]).logits[0]
+        lp = log_softmax(logits)  # (T, V)
         nll -= float(lp[np.arange(len(chunk) - 1), chunk[1:]].sum())
         count += len(chunk) - 1
     return float(np.exp(nll / count))

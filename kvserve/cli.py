@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                              "directory into a kvserve checkpoint"),
     "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
                                      "parity gate and a manifest"),
-    "verify": ("kvserve.export.verify", "check an artifact directory against its manifest"),
+    "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),
     "serve": ("kvserve.server.main", "serve an artifact directory over gRPC"),
     "generate": ("kvserve.clients.generate", "stream a completion from a server"),
     "score": ("kvserve.clients.score", "score a file of texts against a server"),

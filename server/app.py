@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve import __version__
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.v1 import inference_pb2 as pb
+from kvserve.artifact.loader import load_lm
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from .auth import BearerTokenInterceptor
@@ -25,7 +26,6 @@ from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine
 from .metrics import Metrics, MetricsServer
-from .runtime import OnnxLM
 from .servicer import InferenceServicer, ServingState, model_info
 from .validation import Limits
 
@@ -40,7 +40,7 @@ class ArtifactError(Exception):
 
 def verify(artifact_dir: Path) -> None:
     try:
-        from kvserve.export.verify import VerifyError, verify_artifacts
+        from kvserve.artifact.verify import VerifyError, verify_artifacts
     except ImportError as e:  # pragma: no cover - the export package ships with the server
         raise ArtifactError(f"cannot verify artifacts: {e}") from None
     try:
@@ -64,9 +64,9 @@ class App:
         if self.cfg.verify:
             verify(self.dir)
         try:
-            self.lm = OnnxLM(self.dir, provider=self.cfg.provider,
-                             threads=self.cfg.threads or None, spin=self.cfg.spin,
-                             attention=self.cfg.attention and self._has_attention_graphs())
+            self.lm = load_lm(self.dir, provider=self.cfg.provider,
+                              threads=self.cfg.threads or None, spin=self.cfg.spin,
+                              tf32=self.cfg.tf32, attention=self.cfg.attention)
             self.tokenizer = Tokenizer.from_file(self.dir / "tokenizer.json")
         except (OSError, ValueError, KeyError) as e:
             raise ArtifactError(f"cannot load {self.dir}: {e}") from None
@@ -91,10 +91,6 @@ class App:
         log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",
                  self.dir, time.monotonic() - t0, mcfg.n_layers, mcfg.vocab_size,
                  self.lm.provider, self.lm.has_attention)
-
-    def _has_attention_graphs(self) -> bool:
-        graphs = json.loads((self.dir / "manifest.json").read_text()).get("graphs", {})
-        return "prefill_attn" in graphs and "decode_attn" in graphs
 
     # --- serve -----------------------------------------------------------------------------
     def _message_limit(self) -> int:

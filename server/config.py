@@ -29,6 +29,8 @@ class ServerConfig:
     threads: int = _opt(0, "onnxruntime intra-op threads (0 = automatic)")
     spin: bool = _opt(True, "let idle onnxruntime threads spin between ops (lower latency; "
                             "off: they sleep, which leaves shared or busy cores to others)")
+    tf32: bool = _opt(False, "CUDA: let fp32 matmuls use TF32 (faster; logits then differ from "
+                             "the CPU provider by ~1e-3 instead of ~1e-6)")
     max_batch: int = _opt(8, "sequences decoded together in one step",
                           limit="not an error: further requests wait in the queue")
     max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED",

@@ -2,20 +2,19 @@
 
 Each loop iteration:
   1. drop queued requests that were cancelled or ran out of time;
-  2. admit queued requests into free slots (up to ``max_batch``): prefill them (batched when
-     the logits stay under the cap), copy their K/V into ``KVBuffers`` slots, sample their
-     first token;
-  3. run ONE decode step (``OnnxLM.decode``) for every active slot and sample each row with
+  2. admit queued requests into free slots (up to ``max_batch``): prefill them into their KV
+     slots (batched when the logits stay under the cap), sample their first token;
+  3. run ONE decode step (``lm.decode``) for every active slot and sample each row with
      that request's own ``SamplingParams`` (``model.sampling``'s pure functions; a seeded
      request owns ``PCG64(seed)`` and draws one ``u`` per sampled step, exactly as
      ``model.generate`` does);
   4. retire finished / cancelled / expired sequences, compacting slots with
-     ``KVBuffers.move``; so a leaving sequence frees its slot within one step;
+     the cache's ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
 No request waits for another to finish: a new request joins at the next iteration.
 
 A prompt whose prefill logits (T x vocab) would pass ``score_chunk_floats`` is prefilled up to
-that many tokens and the rest in chunks of as many through the decode graph (``OnnxLM.extend``);
+that many tokens and the rest in chunks of as many after it (``extend``);
 with attention diagnostics asked for, the rest goes through the shared decode steps instead,
 which carry the attention rows.
 """
@@ -38,7 +37,6 @@ from kvserve.model.sampling import log_softmax, make_rng, next_token, top_n
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import (FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoredSequence,
                      ScoreRequest, Timings, TokenEvent, Unavailable)
-from .runtime import KVBuffers, OnnxLM
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +142,7 @@ class _Scored:
 
 
 class Engine:
-    def __init__(self, lm: OnnxLM, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
+    def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  prefill_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
                  metrics=None):
         self.lm, self.cfg = lm, lm.cfg
@@ -154,7 +152,7 @@ class Engine:
         self.eos_id = eos_id
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
-        self.kv = KVBuffers(self.cfg, max_batch)
+        self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
         self.active: list[_Seq] = []  # active[i] lives in KV slot i
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._jobs: list[_ScoreJob] = []
@@ -252,7 +250,7 @@ class Engine:
                     if not seq.done:
                         self._finish(seq, FinishReason.ERROR, error="internal error")
                 self.active = []
-                self.kv = KVBuffers(self.cfg, self.max_batch)
+                self.kv = self.lm.new_cache(self.max_batch)
                 for job in self._jobs:
                     if not job.future.done():
                         job.future.set_exception(e)
@@ -327,31 +325,24 @@ class Engine:
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
         lens = [min(len(s.req.prompt_ids), self.prefill_tokens) for s in group]
-        T = max(lens)
-        pad = self.cfg.pad_token_id or 0
-        ids = np.full((len(group), T), pad, np.int64)
-        mask = np.zeros((len(group), T), np.int64)
+        lo = len(self.active)  # the group takes the next free slots, in order
+        res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
+                              attention=attention)
         for b, (seq, n) in enumerate(zip(group, lens)):
-            ids[b, T - n:] = seq.req.prompt_ids[:n]
-            mask[b, T - n:] = 1
-        res = self.lm.prefill(ids, mask, attention=attention)
-        for b, (seq, n) in enumerate(zip(group, lens)):
-            slot = len(self.active)
-            self.kv.load_prompt(slot, res.present, b, n)
             self.active.append(seq)
             if n < len(seq.req.prompt_ids):
                 if attention:  # the rest goes through decode steps, which carry attention
                     seq.forced.extend(seq.req.prompt_ids[n:])
                     seq.feed = seq.forced.popleft()
                     continue
-                self._on_logits(seq, self._extend(slot, seq.req.prompt_ids, n), None)
+                self._on_logits(seq, self._extend(lo + b, seq.req.prompt_ids, n), None)
                 continue
             rows = None
-            if attention:
-                rows = [(layer, h, res.attentions[layer][b, h, T - 1, T - n:])
+            if attention:  # the last prompt token's attention over the prompt
+                rows = [(layer, h, res.attention[b][layer, h, n - 1])
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self._on_logits(seq, res.logits[b, T - 1], rows)
+            self._on_logits(seq, res.logits[b][n - 1], rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
@@ -367,21 +358,17 @@ class Engine:
         n = len(self.active)
         attention = any(s.wants_attention and not s.forced for s in self.active)
         tokens = np.array([s.feed for s in self.active], np.int64)
-        used = self.kv.used[:n].copy()
         t0 = time.monotonic()
-        logits, attn = self.lm.decode(self.kv, n, tokens, used, attention=attention)
+        logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
         self.steps += 1
         self.metrics.step(n, time.monotonic() - t0)
-        cap = self.kv.capacity
         for i, seq in enumerate(self.active):
             if seq.forced:
                 seq.feed = seq.forced.popleft()
                 continue
             rows = None
             if attn is not None and seq.wants_attention:
-                u = int(used[i])
-                rows = [(layer, h, np.concatenate([attn[layer][i, h, 0, :u],
-                                                   attn[layer][i, h, 0, cap:cap + 1]]))
+                rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
             self._on_logits(seq, logits[i], rows)
@@ -536,12 +523,8 @@ class Engine:
             T = len(ids)
             if T <= cap:
                 continue
-            arr = np.asarray(ids[:cap], np.int64)[None]
-            res = self.lm.prefill(arr, np.ones_like(arr))
-            a.record(0, res.logits[0])
-            kv = KVBuffers(self.cfg, 1, capacity=T + 1)
-            kv.load_prompt(0, res.present, 0, cap)
-            del res
+            kv = self.lm.new_cache(1, capacity=T + 1)  # private to this sequence
+            a.record(0, self.lm.prefill(kv, 0, [ids[:cap]]).logits[0])
             yield
             for start in range(cap, T - 1, cap):  # one chunk per loop turn
                 chunk = np.asarray(ids[start:min(start + cap, T - 1)], np.int64)
@@ -550,21 +533,16 @@ class Engine:
         job.future.set_result([a.result() for a in acc])
 
     def _score_prefill(self, seqs: list[list[int]], acc: list["_Scored"]) -> None:
-        T = max(len(ids) for ids in seqs)
-        ids = np.full((len(seqs), T), self.cfg.pad_token_id or 0, np.int64)
-        mask = np.zeros((len(seqs), T), np.int64)
-        for b, s in enumerate(seqs):
-            ids[b, T - len(s):] = s
-            mask[b, T - len(s):] = 1
-        logits = self.lm.prefill(ids, mask).logits  # (B, T, V)
-        for b, (s, a) in enumerate(zip(seqs, acc)):
-            a.record(0, logits[b, T - len(s):])
+        kv = self.lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs))
+        for logits, a in zip(self.lm.prefill(kv, 0, seqs).logits, acc):  # (T_b, V) each
+            a.record(0, logits)
 
     # --- warm-up -------------------------------------------------------------------------------
     def warmup(self, make_request: Callable[[bool], GenerateRequest], timeout: float = 120.0
                ) -> None:
         """Run real requests through the loop (plain, and attention when available)."""
-        for attention in ([False, True] if self.lm.has_attention else [False]):
+        # a runner whose diagnostics graph loads on first use (fused) is not made to load it
+        for attention in ([False, True] if self.lm.attention_ready else [False]):
             h = self.submit(make_request(attention))
             deadline = time.monotonic() + timeout
             for ev in h:

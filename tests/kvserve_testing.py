@@ -132,7 +132,7 @@ def write_manifest(root: Path, m: dict) -> None:
 def rehash(root: Path, rel: str) -> None:
     """Make the manifest agree with the file as it is now (so that only the check under test
     can catch the change)."""
-    from kvserve.export.manifest import sha256_file
+    from kvserve.artifact.manifest import sha256_file
 
     m = read_manifest(root)
     m["files"][rel] = {"sha256": sha256_file(root / rel), "bytes": (root / rel).stat().st_size}
@@ -140,18 +140,20 @@ def rehash(root: Path, rel: str) -> None:
 
 
 def relocate_external_data(root: Path, location: str) -> None:
-    """Point one initializer of decode.onnx at ``location`` (where a copy of the real data
-    is, so a loader that follows it would succeed), then re-hash decode.onnx."""
+    """Point one initializer of the artifact's first graph (model.onnx, or decode.onnx of a
+    portable artifact) at ``location`` (where a copy of the real data is, so a loader that
+    follows it would succeed), then re-hash the graph."""
     import onnx
 
-    path = root / "decode.onnx"
+    graph = "model.onnx" if (root / "model.onnx").is_file() else "decode.onnx"
+    path = root / graph
     m = onnx.load(str(path), load_external_data=False)
     t = next(t for t in m.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
     for e in t.external_data:
         if e.key == "location":
             e.value = location
     path.write_bytes(m.SerializeToString())
-    rehash(root, "decode.onnx")
+    rehash(root, graph)
 
 
 # --- requests ---------------------------------------------------------------------------------

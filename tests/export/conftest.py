@@ -14,12 +14,14 @@ llama      rope        rmsnorm    pre    yes       swiglu     GQA    yes     non
 gpt2       learned     layernorm  pre    yes       gelu_tanh  MHA    yes     all
 postln     learned     layernorm  post   no        gelu       MHA    no      all      (int8)
 sinus      sinusoidal  rmsnorm    post   yes       gelu_tanh  MQA    yes     qkv+ffn  (fp16)
-nopos      none        layernorm  pre    no        relu       GQA    no      out
+nopos      none        layernorm  pre    no        relu       GQA    no      out      (int4)
 =========  ==========  =========  =====  ========  =========  =====  ======  ===============
 
-``llama`` is exported with the attention-diagnostics graphs (fp32) and is the artifact most
-tests share; ``postln`` and ``sinus`` are exported as int8 and fp16 (their manifests still
-carry the fp32 parity figures measured before the precision transform).
+All are exported as fused graphs (head_dim 16); ``llama`` also as the portable graphs
+(``store.artifact("llama", portable=True)``). ``llama`` is exported with the
+attention-diagnostics graph (fp32) and is the artifact most tests share; ``postln``, ``sinus``
+and ``nopos`` are exported as int8, fp16 and int4 (their manifests still carry the fp32 parity
+figures measured before the precision transform).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from export_matrix import BASE, EXPORTS, MAIN, THREADS, TEXTS, make_model  # noq
 from kvserve.export.pipeline import export_artifacts  # noqa: E402
 from kvserve.model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from kvserve.model.tokenizer import train_bpe  # noqa: E402
-from kvserve.server.runtime import OnnxLM  # noqa: E402
+from kvserve.artifact.loader import load_lm  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,13 +77,15 @@ class _Store:
                                                tokenizer_json=self.tokenizer_json)
         return self._ckpt[name]
 
-    def artifact(self, name: str) -> Path:
-        if name not in self._art:
+    def artifact(self, name: str, portable: bool = False) -> Path:
+        key = name + (":portable" if portable else "")
+        if key not in self._art:
             precision, attention = EXPORTS[name]
-            self._art[name] = export_artifacts(self.checkpoint(name), self.root / "art" / name,
-                                               precision=precision, attention=attention,
-                                               progress=False, threads=THREADS)
-        return self._art[name]
+            self._art[key] = export_artifacts(
+                self.checkpoint(name), self.root / "art" / key.replace(":", "-"),
+                precision=precision, attention=attention, portable=portable, progress=False,
+                threads=THREADS)
+        return self._art[key]
 
 
 @pytest.fixture(scope="session")
@@ -106,8 +110,8 @@ def main_model(main_ckpt):
 
 
 @pytest.fixture(scope="session")
-def main_lm(main_artifact) -> OnnxLM:
-    return OnnxLM(main_artifact, provider="cpu", threads=THREADS, attention=True)
+def main_lm(main_artifact):
+    return load_lm(main_artifact, provider="cpu", threads=THREADS, attention=True)
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from export_matrix import LOGIT_TOL, THREADS
 from kvserve import cli
 from kvserve.export import pipeline
 from kvserve.export.parity import ParityError, ParityReport, gate, measure, parity_prompts
-from kvserve.export.verify import VerifyError, verify_artifacts
-from kvserve.server.runtime import OnnxLM
+from kvserve.artifact.verify import VerifyError, verify_artifacts
+from kvserve.artifact.portable import PortableLM
 
 STEPS = 64
 
@@ -63,8 +63,11 @@ def test_gate_catches_a_changed_torch_weight(main_model, main_lm):
     assert f"decode {report.max_abs_logit_decode:.3g}" in msg
 
 
-def test_gate_catches_a_changed_decode_graph(main_model, artifact_copy):
-    """Only decode.onnx's weights change (x1.05): prefill still agrees, decode does not."""
+def test_gate_catches_a_changed_decode_graph(main_model, store, tmp_path):
+    """Portable graphs: only decode.onnx's weights change (x1.05): prefill still agrees,
+    decode does not."""
+    artifact_copy = tmp_path / "portable"
+    shutil.copytree(store.artifact("llama", portable=True), artifact_copy)
     path = artifact_copy / "decode.onnx"
     m = onnx.load(str(path))  # with its external data
     scaled = 0
@@ -78,7 +81,7 @@ def test_gate_catches_a_changed_decode_graph(main_model, artifact_copy):
         p.unlink()
     onnx.save(m, str(path), save_as_external_data=True, location="decode.onnx.data",
               all_tensors_to_one_file=True, size_threshold=1024)
-    lm = OnnxLM(artifact_copy, provider="cpu", threads=THREADS, attention=False)
+    lm = PortableLM(artifact_copy, provider="cpu", threads=THREADS, attention=False)
     report = measure(main_model, lm, parity_prompts(main_model.cfg.vocab_size), STEPS)
     assert report.max_abs_logit_prefill <= LOGIT_TOL < report.max_abs_logit_decode
     with pytest.raises(ParityError, match=re.escape(f"decode {report.max_abs_logit_decode:.3g})")):
@@ -87,23 +90,17 @@ def test_gate_catches_a_changed_decode_graph(main_model, artifact_copy):
         verify_artifacts(artifact_copy)  # and the edited artifact would not load in a server
 
 
-def _fake_export(src: Path):
-    """export_graph stand-in: copies the already-exported graph (saves a dynamo export)."""
-    def export_graph(model, spec, out_dir):
-        for p in src.glob(spec.filename + "*"):
-            shutil.copy(p, Path(out_dir) / p.name)
-        return Path(out_dir) / spec.filename
-    return export_graph
-
 
 def _perturbed_loader(monkeypatch):
-    real = pipeline.load_model
-    monkeypatch.setattr(pipeline, "load_model", lambda ckpt, *a, **k: _perturb(real(ckpt, *a, **k)))
+    """The graphs are built from the checkpoint; the gate then compares them with a torch
+    model whose weight changed."""
+    real = pipeline.measure
+    monkeypatch.setattr(pipeline, "measure",
+                        lambda model, *a, **k: real(_perturb(copy.deepcopy(model)), *a, **k))
 
 
 def test_export_artifacts_raises_and_leaves_nothing(main_ckpt, main_artifact, tmp_path,
                                                     monkeypatch):
-    monkeypatch.setattr(pipeline, "export_graph", _fake_export(main_artifact))
     _perturbed_loader(monkeypatch)
     out = tmp_path / "out" / "art"
     with pytest.raises(ParityError, match=r"parity gate failed: max \|Δlogit\| \d[\d.e+-]* > "
@@ -116,7 +113,6 @@ def test_export_artifacts_raises_and_leaves_nothing(main_ckpt, main_artifact, tm
 
 def test_cli_export_fails_nonzero_and_leaves_nothing(main_ckpt, main_artifact, tmp_path,
                                                      monkeypatch, capsys):
-    monkeypatch.setattr(pipeline, "export_graph", _fake_export(main_artifact))
     _perturbed_loader(monkeypatch)
     out = tmp_path / "art"
     rc = cli.main(["export", str(main_ckpt), "--out", str(out), "--no-attention",
@@ -132,7 +128,6 @@ def test_cli_export_and_verify_succeed(main_ckpt, main_artifact, tmp_path, monke
                                        capsys):
     """The same path without the perturbation passes, writes a verified artifact, and refuses
     to overwrite it unless asked."""
-    monkeypatch.setattr(pipeline, "export_graph", _fake_export(main_artifact))
     out = tmp_path / "art"
     argv = ["export", str(main_ckpt), "--out", str(out), "--no-attention",
             "--threads", str(THREADS)]

@@ -45,7 +45,41 @@ def test_parity_fp32(store, name):
     assert p["greedy_tokens_equal"] is True and p["token_agreement"] == 1.0
     precision, attention = EXPORTS[name]
     assert m["precision"] == precision
-    assert set(m["graphs"]) == ({"prefill", "decode", "prefill_attn", "decode_attn"} if attention
-                                else {"prefill", "decode"})
+    assert m["kind"] == m["runtime"]["kind"] == "fused"
+    assert set(m["graphs"]) == ({"model", "model_attn"} if attention else {"model"})
     if attention:
         assert p["max_abs_attention"] is not None and p["max_abs_attention"] <= 1e-5
+
+
+def test_parity_portable(store):
+    """``--portable``: the standard-ops prefill/decode graphs pass the same gate."""
+    art = store.artifact("llama", portable=True)
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["kind"] == m["runtime"]["kind"] == "portable"
+    assert m["runtime"]["kv"]["layout"] == "new_rows"
+    assert set(m["graphs"]) == {"prefill", "decode", "prefill_attn", "decode_attn"}
+    p = m["parity"]["fp32"]
+    assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL
+    assert p["greedy_tokens_equal"] is True and p["max_abs_attention"] <= 1e-5
+
+
+def test_head_dim_the_fused_op_cannot_take_falls_back_to_portable(tmp_path, tokenizer_json):
+    """head_dim 8 (GroupQueryAttention on CPU needs a multiple of 16): exported portable, the
+    manifest says why, and it passes the gate."""
+    import torch
+
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.transformer import Transformer
+
+    torch.manual_seed(3)
+    cfg = make_config("gpt2").replace(d_model=32)
+    assert cfg.head_dim == 8
+    ckpt = save_checkpoint(tmp_path / "ckpt", Transformer(cfg).eval(),
+                           tokenizer_json=tokenizer_json)
+    art = export_artifacts(ckpt, tmp_path / "art", attention=False, progress=False, threads=1)
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["kind"] == "portable" and set(m["graphs"]) == {"prefill", "decode"}
+    assert any("head_dim 8" in why for why in m["runtime"]["portable_because"])
+    p = m["parity"]["fp32"]
+    assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL

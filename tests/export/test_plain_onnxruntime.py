@@ -1,6 +1,7 @@
 """Third-party use: plain onnxruntime, driven only by the published conventions (manifest +
 NOTES §1, ``present`` = this call's new rows), reproduces torch's logits on a left-padded
-batch. No kvserve runtime code is used on the ONNX side."""
+batch, on the portable graphs (``kvserve export --portable``). No kvserve runtime code is used
+on the ONNX side."""
 from __future__ import annotations
 
 import json
@@ -12,9 +13,10 @@ from export_matrix import LOGIT_TOL
 from kvserve.model.generate import generate, left_pad
 
 
-def test_plain_onnxruntime_prefill_then_decode(main_model, main_artifact):
+def test_plain_onnxruntime_prefill_then_decode(main_model, store):
+    main_artifact = store.artifact("llama", portable=True)
     m = json.loads((main_artifact / "manifest.json").read_text())
-    assert m["present_layout"] == "new_rows"
+    assert m["runtime"]["kv"]["layout"] == "new_rows"
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = {g: ort.InferenceSession(str(main_artifact / m["graphs"][g]["file"]), so,

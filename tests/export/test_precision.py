@@ -1,5 +1,5 @@
-"""int8 and fp16 exports of tiny models: the artifact verifies, holds only the transformed
-graphs, and its manifest carries the parity and perplexity figures (int8: the relative
+"""int8, int4 and fp16 exports of tiny models (fused graphs): the artifact verifies, holds only
+the transformed graph, and its manifest carries the parity and perplexity figures (the relative
 perplexity change)."""
 from __future__ import annotations
 
@@ -11,21 +11,21 @@ import pytest
 from export_matrix import LOGIT_TOL, THREADS
 
 from kvserve.export.precision import FP16_TOLERANCE
-from kvserve.export.verify import verify_artifacts
-from kvserve.server.runtime import KVBuffers, OnnxLM
+from kvserve.artifact.verify import verify_artifacts
+from kvserve.artifact.loader import load_lm
 
-PRECISION_CONFIGS = {"int8": "postln", "fp16": "sinus"}
+PRECISION_CONFIGS = {"int8": "postln", "fp16": "sinus", "int4": "nopos"}
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp16"])
+@pytest.mark.parametrize("precision", ["int8", "fp16", "int4"])
 def test_precision_artifact(store, precision):
     art = store.artifact(PRECISION_CONFIGS[precision])
     m = verify_artifacts(art)
     assert m["precision"] == precision
     assert not (art / "_fp32").exists()
     assert sorted(p.name for p in art.iterdir()) == sorted(
-        ["config.json", "tokenizer.json", "manifest.json", "prefill.onnx", "prefill.onnx.data",
-         "decode.onnx", "decode.onnx.data"])
+        ["config.json", "tokenizer.json", "manifest.json", "model.onnx", "model.onnx.data"])
+    assert m["kind"] == "fused"
 
     fp32, q = m["parity"]["fp32"], m["parity"][precision]
     assert max(fp32["max_abs_logit_prefill"], fp32["max_abs_logit_decode"]) <= LOGIT_TOL
@@ -39,14 +39,18 @@ def test_precision_artifact(store, precision):
     assert ppl["relative_change"] == pytest.approx(ppl[precision] / ppl["fp32"] - 1.0)
     assert ppl["relative_change"] <= 0.10  # the default --max-ppl-increase
 
-    ops = {n.op_type for n in onnx.load(str(art / "decode.onnx"),
+    ops = {n.op_type for n in onnx.load(str(art / "model.onnx"),
                                         load_external_data=False).graph.node}
-    inits = onnx.load(str(art / "decode.onnx")).graph.initializer
+    inits = onnx.load(str(art / "model.onnx")).graph.initializer
     types = {t.data_type for t in inits}
     if precision == "int8":
         assert q["tolerance"] is None  # int8 is judged by perplexity, not a logit bound
         assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
         assert onnx.TensorProto.INT8 in types
+    elif precision == "int4":
+        assert q["tolerance"] is None  # judged by perplexity, as int8
+        assert "MatMulNBits" in ops and "MatMul" not in ops  # every weight matmul is 4-bit
+        assert onnx.TensorProto.UINT8 in types
     else:
         assert q["tolerance"] == FP16_TOLERANCE and worst <= FP16_TOLERANCE
         assert onnx.TensorProto.FLOAT16 in types
@@ -56,16 +60,17 @@ def test_precision_artifact(store, precision):
           f"({ppl['relative_change']:+.2%})")
 
 
-@pytest.mark.parametrize("precision", ["int8", "fp16"])
+@pytest.mark.parametrize("precision", ["int8", "fp16", "int4"])
 def test_precision_artifact_runs_in_the_runtime(store, precision):
-    """The KV buffers stay float32 (keep_io_types / dynamic quantization): decode runs."""
+    """fp16 keeps its KV cache in float16 (the op writes it in place); the others float32."""
     art = store.artifact(PRECISION_CONFIGS[precision])
     m = json.loads((art / "manifest.json").read_text())
-    assert m["kv_dtype"] == "float32"
-    lm = OnnxLM(art, provider="cpu", threads=THREADS, attention=False)
-    ids = np.array([[3, 4, 5, 6]], dtype=np.int64)
-    pre = lm.prefill(ids, np.ones_like(ids))
-    kv = KVBuffers(lm.cfg, 1)
-    kv.load_prompt(0, pre.present, 0, 4)
-    logits, _ = lm.decode(kv, 1, np.array([7]), np.array([4]))
+    want = "float16" if precision == "fp16" else "float32"
+    assert m["runtime"]["kv"]["dtype"] == want
+    assert m["graphs"]["model"]["io"]["past_key_values.0.key"]["dtype"] == want
+    lm = load_lm(art, provider="cpu", threads=THREADS, attention=False)
+    kv = lm.new_cache(1)
+    lm.prefill(kv, 0, [[3, 4, 5, 6]])
+    logits, _ = lm.decode(kv, 1, np.array([7]))
     assert logits.shape == (1, lm.cfg.vocab_size) and np.isfinite(logits).all()
+    assert kv.k[0].numpy().dtype == np.dtype(want)

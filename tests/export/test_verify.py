@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvserve import cli
-from kvserve.export.manifest import sha256_file
+from kvserve.artifact.manifest import sha256_file
 from kvserve_testing import read_manifest, rehash, relocate_external_data, write_manifest
-from kvserve.export.verify import VerifyError, verify_artifacts
+from kvserve.artifact.verify import VerifyError, verify_artifacts
 
 
 def _refused(root: Path, pattern: str, capsys) -> None:
@@ -25,34 +25,34 @@ def _refused(root: Path, pattern: str, capsys) -> None:
 
 def test_pristine_copy_verifies(artifact_copy, capsys):
     m = verify_artifacts(artifact_copy)
-    assert set(m["graphs"]) == {"prefill", "decode", "prefill_attn", "decode_attn"}
+    assert set(m["graphs"]) == {"model", "model_attn"}
     assert cli.main(["verify", str(artifact_copy)]) == 0
     assert "kvserve verify: OK" in capsys.readouterr().out
 
 
 def test_flipped_byte_in_data(artifact_copy, capsys):
-    p = artifact_copy / "decode.onnx.data"
+    p = artifact_copy / "model.onnx.data"
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0x01
     p.write_bytes(bytes(data))
-    _refused(artifact_copy, r"^decode\.onnx\.data does not match its sha256 in the manifest "
+    _refused(artifact_copy, r"^model\.onnx\.data does not match its sha256 in the manifest "
                             r"\(modified\)$", capsys)
 
 
 def test_truncated_graph(artifact_copy, capsys):
-    p = artifact_copy / "prefill.onnx"
+    p = artifact_copy / "model.onnx"
     data = p.read_bytes()
     p.write_bytes(data[:len(data) // 2])
-    _refused(artifact_copy, rf"^prefill\.onnx has {len(data) // 2} bytes, the manifest says "
+    _refused(artifact_copy, rf"^model\.onnx has {len(data) // 2} bytes, the manifest says "
                             rf"{len(data)} \(truncated or replaced\)$", capsys)
 
 
 def test_truncated_graph_with_matching_manifest(artifact_copy, capsys):
     """Even re-hashed, a truncated graph is not a readable model."""
-    p = artifact_copy / "prefill.onnx"
+    p = artifact_copy / "model.onnx"
     p.write_bytes(p.read_bytes()[:100])
-    rehash(artifact_copy, "prefill.onnx")
-    _refused(artifact_copy, r"graph prefill .*(not a readable ONNX model|fails onnx\.checker)",
+    rehash(artifact_copy, "model.onnx")
+    _refused(artifact_copy, r"graph model .*(not a readable ONNX model|fails onnx\.checker)",
              capsys)
 
 
@@ -76,13 +76,12 @@ def test_missing_file(artifact_copy, capsys):
 
 
 def test_missing_graph_entry_file(artifact_copy, capsys):
-    """Graph and data file removed and un-listed together: the graph entry still needs them."""
-    for rel in ("decode_attn.onnx", "decode_attn.onnx.data"):
-        (artifact_copy / rel).unlink()
+    """Graph file removed and un-listed: the graph entry still needs it."""
+    (artifact_copy / "model_attn.onnx").unlink()
     m = read_manifest(artifact_copy)
-    del m["files"]["decode_attn.onnx"], m["files"]["decode_attn.onnx.data"]
+    del m["files"]["model_attn.onnx"]
     write_manifest(artifact_copy, m)
-    _refused(artifact_copy, r"graph decode_attn file 'decode_attn\.onnx' is not hashed", capsys)
+    _refused(artifact_copy, r"graph model_attn file 'model_attn\.onnx' is not hashed", capsys)
 
 
 def test_manifest_path_escaping(artifact_copy, capsys):
@@ -94,17 +93,17 @@ def test_manifest_path_escaping(artifact_copy, capsys):
 
 
 def test_external_data_location_traversal(artifact_copy, capsys):
-    shutil.copy(artifact_copy / "decode.onnx.data", artifact_copy.parent / "decode.onnx.data")
-    relocate_external_data(artifact_copy, "../decode.onnx.data")
-    _refused(artifact_copy, r"^graph decode external data location '\.\./decode\.onnx\.data' "
+    shutil.copy(artifact_copy / "model.onnx.data", artifact_copy.parent / "model.onnx.data")
+    relocate_external_data(artifact_copy, "../model.onnx.data")
+    _refused(artifact_copy, r"^graph model external data location '\.\./model\.onnx\.data' "
                             r"escapes the artifact directory$", capsys)
 
 
 def test_external_data_absolute_location(artifact_copy, capsys):
     outside = artifact_copy.parent / "elsewhere.data"
-    shutil.copy(artifact_copy / "decode.onnx.data", outside)
+    shutil.copy(artifact_copy / "model.onnx.data", outside)
     relocate_external_data(artifact_copy, str(outside.resolve()))
-    _refused(artifact_copy, r"^graph decode external data location '/.*elsewhere\.data' "
+    _refused(artifact_copy, r"^graph model external data location '/.*elsewhere\.data' "
                             r"escapes the artifact directory$", capsys)
 
 
@@ -112,11 +111,11 @@ def test_external_data_unhashed_location(artifact_copy, capsys):
     """Inside the directory but not hashed (the manifest itself is the one such file):
     refused, since no hash vouches for what the graph would read."""
     relocate_external_data(artifact_copy, "manifest.json")
-    _refused(artifact_copy, r"^graph decode external data 'manifest\.json' is not in the "
+    _refused(artifact_copy, r"^graph model external data 'manifest\.json' is not in the "
                             r"manifest$", capsys)
 
 
-@pytest.mark.parametrize("rel", ["config.json", "decode.onnx.data"])
+@pytest.mark.parametrize("rel", ["config.json", "model.onnx.data"])
 def test_symlinked_file(artifact_copy, capsys, rel):
     """Same bytes, so the hash matches: only the symlink rule can refuse it."""
     target = artifact_copy.parent / ("outside-" + Path(rel).name)

@@ -5,18 +5,21 @@ import sys
 import time
 
 from kvserve import cli
-from kvserve.server import runtime
+from kvserve.artifact.fused import FusedLM
+from kvserve.artifact.portable import PortableLM
 
 DELAY = float(sys.argv[1])
-_decode = runtime.OnnxLM.decode
 
 
-def _slow_decode(self, *a, **kw):
-    time.sleep(DELAY)
-    return _decode(self, *a, **kw)
+def _slowed(decode):
+    def slow_decode(self, *a, **kw):
+        time.sleep(DELAY)
+        return decode(self, *a, **kw)
+    return slow_decode
 
 
-runtime.OnnxLM.decode = _slow_decode
+for runner in (FusedLM, PortableLM):
+    runner.decode = _slowed(runner.decode)
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[2:]))

@@ -31,33 +31,33 @@ from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 # --- tampering -----------------------------------------------------------------------------------
 def truncated_graph(root):
-    p = root / "prefill.onnx"
+    p = root / "model.onnx"
     n = p.stat().st_size
     p.write_bytes(p.read_bytes()[:n // 2])
-    return root, [rf"prefill.onnx has {n // 2} bytes, the manifest says {n} (truncated"]
+    return root, [rf"model.onnx has {n // 2} bytes, the manifest says {n} (truncated"]
 
 
 def truncated_graph_rehashed(root):
-    p = root / "prefill.onnx"
+    p = root / "model.onnx"
     p.write_bytes(p.read_bytes()[:100])
-    rehash(root, "prefill.onnx")
-    return root, ["graph prefill"]
+    rehash(root, "model.onnx")
+    return root, ["graph model"]
 
 
 def changed_byte_in_graph(root):
-    p = root / "decode.onnx"
+    p = root / "model_attn.onnx"
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0x01
     p.write_bytes(bytes(data))
-    return root, ["decode.onnx does not match its sha256 in the manifest (modified)"]
+    return root, ["model_attn.onnx does not match its sha256 in the manifest (modified)"]
 
 
 def changed_byte_in_weights(root):
-    p = root / "prefill.onnx.data"
+    p = root / "model.onnx.data"
     data = bytearray(p.read_bytes())
     data[-1] ^= 0x80
     p.write_bytes(bytes(data))
-    return root, ["prefill.onnx.data does not match its sha256"]
+    return root, ["model.onnx.data does not match its sha256"]
 
 
 def manifest_wrong_hash(root):
@@ -79,31 +79,31 @@ def manifest_missing_file(root):
 
 def manifest_graph_io_mismatch(root):
     m = read_manifest(root)
-    m["graphs"]["decode"]["inputs"] = list(reversed(m["graphs"]["decode"]["inputs"]))
+    m["graphs"]["model"]["inputs"] = list(reversed(m["graphs"]["model"]["inputs"]))
     write_manifest(root, m)
-    return root, ["graph decode inputs", "differ from the manifest"]
+    return root, ["graph model inputs", "differ from the manifest"]
 
 
 def external_data_dotdot(root):
-    shutil.copy(root / "decode.onnx.data", root.parent / "decode.onnx.data")
-    relocate_external_data(root, "../decode.onnx.data")
-    return root, ["graph decode external data location '../decode.onnx.data' escapes the "
+    shutil.copy(root / "model.onnx.data", root.parent / "model.onnx.data")
+    relocate_external_data(root, "../model.onnx.data")
+    return root, ["graph model external data location '../model.onnx.data' escapes the "
                   "artifact directory"]
 
 
 def external_data_absolute(root):
     outside = root.parent / "elsewhere.data"
-    shutil.copy(root / "decode.onnx.data", outside)
+    shutil.copy(root / "model.onnx.data", outside)
     relocate_external_data(root, str(outside.resolve()))
-    return root, ["graph decode external data location", "escapes the artifact directory"]
+    return root, ["graph model external data location", "escapes the artifact directory"]
 
 
 def symlinked_file(root):
-    target = root.parent / "outside-decode.onnx.data"
-    shutil.copy(root / "decode.onnx.data", target)
-    (root / "decode.onnx.data").unlink()
-    (root / "decode.onnx.data").symlink_to(target)  # same bytes: the hash still matches
-    return root, ["'decode.onnx.data' goes through a symlink", "symlinks are refused"]
+    target = root.parent / "outside-model.onnx.data"
+    shutil.copy(root / "model.onnx.data", target)
+    (root / "model.onnx.data").unlink()
+    (root / "model.onnx.data").symlink_to(target)  # same bytes: the hash still matches
+    return root, ["'model.onnx.data' goes through a symlink", "symlinks are refused"]
 
 
 def symlinked_directory(root):

@@ -2,7 +2,7 @@
 Prometheus endpoint (scraped over HTTP on loopback).
 
 The tiny model decodes 240 tokens in ~50 ms, faster than a client can act on a stream; these
-tests slow every decode step down (``slow_decode``: a sleep before each OnnxLM.decode) so that a
+tests slow every decode step down (``slow_decode``: a sleep before each runner decode step) so that a
 generation reliably outlasts the actions under test on any machine.
 """
 from __future__ import annotations

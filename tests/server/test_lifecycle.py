@@ -186,13 +186,13 @@ def test_serve_refuses_a_tampered_artifact(artifact, tmp_path):
 
     bad = tmp_path / "bad"
     shutil.copytree(artifact.dir, bad)
-    with open(bad / "decode.onnx.data", "r+b") as f:
+    with open(bad / "model.onnx.data", "r+b") as f:
         f.seek(100)
         f.write(b"\x00\x01\x02\x03")
     proc, _ = _serve(bad, tmp_path)
     assert proc.wait(timeout=60) == 1
     err = (tmp_path / "server.log").read_text()
-    assert "refusing to serve" in err and "decode.onnx.data" in err
+    assert "refusing to serve" in err and "model.onnx.data" in err
 
 
 def test_server_config_flags_env_and_bounds():

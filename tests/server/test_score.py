@@ -101,7 +101,7 @@ def test_model_info(stub, artifact):
         artifact.cfg.vocab_size, artifact.cfg.n_layers, artifact.cfg.n_heads)
     assert info.eos_token_id == artifact.cfg.eos_token_id
     assert info.provider == "CPUExecutionProvider"
-    assert set(info.graphs) >= {"prefill", "decode", "prefill_attn", "decode_attn"}
+    assert set(info.graphs) == {"model", "model_attn"}
     assert len(info.manifest_sha256) == 64 and info.attention_available
     assert info.limits.max_context == artifact.cfg.max_seq_len
     assert info.limits.max_batch == 4

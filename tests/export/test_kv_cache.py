@@ -1,13 +1,16 @@
-"""OnnxLM.decode with KVBuffers over 200+ steps: every step's logits equal torch's, across a
-capacity growth and a slot compaction; and a new KVBuffers never inherits a stale binding."""
+"""The runners' KV caches (``FusedLM`` + ``DeviceKV``, ``PortableLM`` + ``KVBuffers``), each
+over 200+ decode steps: every step's logits equal torch's, across a capacity growth and a slot
+compaction; chunked prefill; shrinking; and a new cache never inherits a stale binding."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from export_matrix import LOGIT_TOL
+from export_matrix import LOGIT_TOL, THREADS
 
-from kvserve.model.generate import generate, left_pad
-from kvserve.server.runtime import CAPACITY_CHUNK, KVBuffers
+from kvserve.artifact.fused import CAPACITY_CHUNK
+from kvserve.artifact.portable import PortableLM
+from kvserve.model.generate import generate
 
 STEPS = 210
 PROMPT_LENGTHS = (5, 40, 17)  # the longest reaches 250 rows: one growth, 128 -> 256
@@ -18,12 +21,18 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [g.integers(0, vocab, n).tolist() for n in PROMPT_LENGTHS]
 
 
+@pytest.fixture(scope="module", params=["fused", "portable"])
+def lm(request, main_lm, store):
+    if request.param == "fused":
+        assert main_lm.kind == "fused"
+        return main_lm
+    return PortableLM(store.artifact("llama", portable=True), provider="cpu", threads=THREADS,
+                      attention=False)
+
+
 def _start(lm, model, prompts):
-    ids, mask = left_pad(prompts)
-    pre = lm.prefill(ids.numpy(), mask.numpy())
-    kv = KVBuffers(model.cfg, len(prompts))
-    for b, p in enumerate(prompts):
-        kv.load_prompt(b, pre.present, b, len(p))
+    kv = lm.new_cache(len(prompts))
+    lm.prefill(kv, 0, prompts)
     return kv
 
 
@@ -49,19 +58,17 @@ def test_reference_is_full_forward(main_model):
             assert np.abs(ref.logits[b][step] - want).max() <= LOGIT_TOL
 
 
-def test_200_steps_across_capacity_growth(main_model, main_lm):
+def test_200_steps_across_capacity_growth(main_model, lm):
     prompts = _prompts(main_model.cfg.vocab_size)
     ref = _reference(main_model, prompts)
     B = len(prompts)
-    kv = _start(main_lm, main_model, prompts)
+    kv = _start(lm, main_model, prompts)
     assert kv.capacity == CAPACITY_CHUNK
     generations = {kv.generation}
-    positions = np.array(PROMPT_LENGTHS, dtype=np.int64)
     worst = 0.0
     for step in range(STEPS):
         tokens = np.array([ref.tokens[b][step] for b in range(B)], dtype=np.int64)
-        logits, _ = main_lm.decode(kv, B, tokens, positions)
-        positions += 1
+        logits, _ = lm.decode(kv, B, tokens)
         generations.add(kv.generation)
         for b in range(B):
             d = float(np.abs(logits[b] - ref.logits[b][step + 1]).max())
@@ -73,17 +80,15 @@ def test_200_steps_across_capacity_growth(main_model, main_lm):
     print(f"max |Δlogit| over {STEPS} steps x {B} rows: {worst:.2e}")
 
 
-def test_slot_compaction_keeps_results(main_model, main_lm):
+def test_slot_compaction_keeps_results(main_model, lm):
     """The longest sequence (slot 1) leaves after the growth; the last one (slot 2) moves into
     its slot (whose rows beyond the moved length still hold the old, longer sequence) and
     goes on exactly as if it had never moved."""
     prompts = _prompts(main_model.cfg.vocab_size)
     ref = _reference(main_model, prompts)
     leave_at = 120  # slot 1 then has 160 rows (> CAPACITY_CHUNK), slot 2 has 137
-    kv_a = _start(main_lm, main_model, prompts)  # never compacted
-    kv_b = _start(main_lm, main_model, prompts)  # compacted at leave_at
-    pos_a = np.array(PROMPT_LENGTHS, dtype=np.int64)
-    pos_b = pos_a.copy()
+    kv_a = _start(lm, main_model, prompts)  # never compacted
+    kv_b = _start(lm, main_model, prompts)  # compacted at leave_at
     order = [0, 1, 2]  # sequence held by each slot of kv_b
     worst = 0.0
     for step in range(STEPS):
@@ -91,15 +96,12 @@ def test_slot_compaction_keeps_results(main_model, main_lm):
             assert kv_b.capacity == 2 * CAPACITY_CHUNK
             kv_b.move(2, 1)
             order = [0, 2]
-            pos_b = pos_b[[0, 2]].copy()
             assert kv_b.used[1] == PROMPT_LENGTHS[2] + leave_at
         tok_a = np.array([ref.tokens[s][step] for s in range(3)], dtype=np.int64)
-        la, _ = main_lm.decode(kv_a, 3, tok_a, pos_a)
+        la, _ = lm.decode(kv_a, 3, tok_a)
         la = la.copy()
         tok_b = np.array([ref.tokens[s][step] for s in order], dtype=np.int64)
-        lb, _ = main_lm.decode(kv_b, len(order), tok_b, pos_b)
-        pos_a += 1
-        pos_b += 1
+        lb, _ = lm.decode(kv_b, len(order), tok_b)
         for slot, s in enumerate(order):
             want = ref.logits[s][step + 1]
             assert np.abs(lb[slot] - want).max() <= LOGIT_TOL, (step, s)
@@ -110,66 +112,63 @@ def test_slot_compaction_keeps_results(main_model, main_lm):
     print(f"compacted vs uncompacted: max |Δlogit| {worst:.2e}")
 
 
-def test_new_buffers_never_reuse_a_stale_binding(main_model, main_lm):
+def test_new_buffers_never_reuse_a_stale_binding(main_model, lm):
     """Regression: bindings were cached under (graph, n, generation, id(kv)) and every new
-    KVBuffers started at generation 1; CPython hands a new object the id of a freed one, so a
-    new KVBuffers (the engine makes one per scoring request, with its own capacity) could run
+    cache started at generation 1; CPython hands a new object the id of a freed one, so a
+    new cache (the engine makes one per scoring request, with its own capacity) could run
     on the freed buffers of an old one. Short-lived buffers of varying capacity, one after
     the other: every first step must match torch (the old code failed ~7 in 30 here)."""
     cfg = main_model.cfg
     g = np.random.default_rng(3)
     for trial in range(30):
         prompt = g.integers(0, cfg.vocab_size, 4 + trial % 5).tolist()
-        kv = KVBuffers(cfg, 1, capacity=CAPACITY_CHUNK * (1 + trial % 3))
-        pre = main_lm.prefill(np.array([prompt]), np.ones((1, len(prompt)), np.int64))
-        kv.load_prompt(0, pre.present, 0, len(prompt))
-        got = main_lm.decode(kv, 1, np.array([5]), np.array([len(prompt)]))[0][0].copy()
-        del kv  # freed now (refcount): the next KVBuffers may get this one's id
+        kv = lm.new_cache(1, capacity=CAPACITY_CHUNK * (1 + trial % 3))
+        lm.prefill(kv, 0, [prompt])
+        got = lm.decode(kv, 1, np.array([5]))[0][0].copy()
+        del kv  # freed now (refcount): the next cache may get this one's id
         with torch.no_grad():
             want = main_model(torch.tensor([prompt + [5]])).logits[0, -1].numpy()
         assert np.abs(got - want).max() <= LOGIT_TOL, trial
 
 
-def test_chunked_prefill_through_the_decode_graph(main_model, main_lm):
-    """A long input fed in chunks (prefill, then OnnxLM.extend with T > 1 tokens through the
-    decode graph, across a capacity growth) gives the full forward's logits, and decoding
-    continues from the chunked cache."""
+def test_chunked_prefill_through_the_decode_graph(main_model, lm):
+    """A long input fed in chunks (prefill, then ``extend`` with T > 1 tokens after the slot's
+    rows, across a capacity growth) gives the full forward's logits, and decoding continues
+    from the chunked cache."""
     g = np.random.default_rng(11)
     ids = g.integers(0, main_model.cfg.vocab_size, 200)
     with torch.no_grad():
         want = main_model(torch.tensor(ids[None])).logits[0].numpy()  # (200, V)
-    kv = KVBuffers(main_model.cfg, 2)
-    pre = main_lm.prefill(ids[None, :40], np.ones((1, 40), np.int64))
-    kv.load_prompt(1, pre.present, 0, 40)  # slot 1: slot 0 stays empty
-    got = [pre.logits[0]]
+    kv = lm.new_cache(2)
+    got = [lm.prefill(kv, 1, [ids[:40]]).logits[0]]  # slot 1: slot 0 stays empty
     for a, b in ((40, 100), (100, 101), (101, 200)):  # 200 rows > one capacity chunk
-        got.append(main_lm.extend(kv, 1, ids[a:b]))
+        got.append(lm.extend(kv, 1, ids[a:b]))
     assert np.abs(np.concatenate(got) - want).max() <= LOGIT_TOL
     assert kv.used[1] == 200 and kv.capacity > CAPACITY_CHUNK
 
     nxt = int(np.argmax(want[-1]))
-    logits, _ = main_lm.decode(kv, 2, np.array([0, nxt]), np.array([0, 200]))
+    logits, _ = lm.decode(kv, 2, np.array([0, nxt]))
     with torch.no_grad():
         ref = main_model(torch.tensor(np.append(ids, nxt)[None])).logits[0, -1].numpy()
     assert np.abs(logits[1] - ref).max() <= LOGIT_TOL
 
 
-def test_buffers_shrink_when_long_sequences_leave(main_model, main_lm):
-    """Every step attends over the whole capacity, so the buffers shrink back once the long
-    sequence is gone; the remaining sequence's results are unchanged."""
+def test_buffers_shrink_when_long_sequences_leave(main_model, lm):
+    """The buffers shrink back once the long sequence is gone (memory; on the portable
+    graphs every step also attends over the whole capacity); the remaining sequence's
+    results are unchanged."""
     g = np.random.default_rng(5)
     long_ids = g.integers(0, main_model.cfg.vocab_size, 300)
     short_ids = g.integers(0, main_model.cfg.vocab_size, 6)
-    kv = KVBuffers(main_model.cfg, 2)
+    kv = lm.new_cache(2)
     for slot, ids in ((0, short_ids), (1, long_ids)):
-        pre = main_lm.prefill(ids[None], np.ones((1, len(ids)), np.int64))
-        kv.load_prompt(slot, pre.present, 0, len(ids))
+        lm.prefill(kv, slot, [ids])
     assert kv.capacity == 3 * CAPACITY_CHUNK
     kv.shrink_to_fit(2)  # both still there: nothing to give back
     assert kv.capacity == 3 * CAPACITY_CHUNK
     kv.shrink_to_fit(1)  # slot 1 (the long one) left
     assert kv.capacity == CAPACITY_CHUNK and kv.used[1] == 0
-    logits, _ = main_lm.decode(kv, 1, np.array([7]), np.array([6]))
+    logits, _ = lm.decode(kv, 1, np.array([7]))
     with torch.no_grad():
         want = main_model(torch.tensor(np.append(short_ids, 7)[None])).logits[0, -1].numpy()
     assert np.abs(logits[0] - want).max() <= LOGIT_TOL

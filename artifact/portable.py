@@ -1,4 +1,5 @@
-"""onnxruntime execution of an exported artifact: prefill once, then decode steps. No torch.
+"""Running a portable artifact (``kvserve export --portable``: standard ONNX ops only): a
+prefill graph, then decode steps. No torch.
 
 The KV cache has one home per layer: ``KVBuffers`` holds a preallocated
 (max_batch, Hkv, capacity, D) key and value buffer per layer. The decode graph reads the whole
@@ -15,7 +16,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,69 +24,16 @@ import onnxruntime as ort
 
 from kvserve.model.config import ModelConfig
 
+from .fused import Prefilled
+from .manifest import MANIFEST
+from .providers import check_optimized_for, choose_providers, session_options
+
 log = logging.getLogger(__name__)
 
 CAPACITY_CHUNK = 128
 # Buffer generations are unique across all KVBuffers of the process, so a cached IO binding can
 # never be taken for a different set of buffers (an ``id()`` is reused once its object is freed).
 _GENERATIONS = itertools.count(1)
-
-
-def choose_providers(provider: str = "auto") -> list[str]:
-    available = ort.get_available_providers()
-    if provider == "cpu":
-        return ["CPUExecutionProvider"]
-    if provider == "cuda":
-        if "CUDAExecutionProvider" not in available:
-            raise RuntimeError("provider 'cuda' requested but onnxruntime has no "
-                               "CUDAExecutionProvider (install onnxruntime-gpu on a CUDA host)")
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    if provider != "auto":
-        raise ValueError(f"provider must be auto, cpu or cuda, got {provider!r}")
-    if "CUDAExecutionProvider" in available:
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
-    return ["CPUExecutionProvider"]
-
-
-def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
-    so = ort.SessionOptions()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.log_severity_level = 3
-    return so
-
-
-def check_optimized_for(manifest: dict, providers: list[str]) -> None:
-    """An offline-optimised artifact runs only where it was made for (see export --optimize)."""
-    tied = manifest.get("optimized_for")
-    if not tied:
-        return
-    problems = []
-    if providers[0] != tied.get("provider"):
-        problems.append(f"provider {providers[0]} (optimised for {tied.get('provider')})")
-    if tied.get("onnxruntime") != ort.__version__:
-        problems.append(f"onnxruntime {ort.__version__} (optimised with "
-                        f"{tied.get('onnxruntime')})")
-    missing = sorted(set(tied.get("cpu_flags", [])) - cpu_flags())
-    if missing:
-        problems.append(f"this CPU lacks {', '.join(missing)}")
-    if problems:
-        raise RuntimeError("artifact was offline-optimised for another machine: "
-                           + "; ".join(problems) + ". Re-export without --optimize or on "
-                           "this machine.")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _chunks(rows: int) -> int:
@@ -187,38 +134,59 @@ class PrefillResult:
     attentions: list[np.ndarray] | None  # L x (B, H, T, T)
 
 
-class OnnxLM:
-    """The exported graphs of one artifact directory, run by onnxruntime."""
+class PortableLM:
+    """The portable graphs of one artifact directory, run by onnxruntime, with the same
+    interface as ``FusedLM`` (``new_cache`` / ``prefill`` / ``extend`` / ``decode``)."""
+    kind = "portable"
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
-                 threads: int | None = None, attention: bool = True, spin: bool = True):
+                 threads: int | None = None, attention: bool = True, spin: bool = True,
+                 tf32: bool = False, options: ort.SessionOptions | None = None):
         self.dir = Path(artifact_dir)
         self.cfg = ModelConfig.load(self.dir / "config.json")
-        self.manifest = json.loads((self.dir / "manifest.json").read_text())
-        self.providers = choose_providers(provider)
+        self.manifest = json.loads((self.dir / MANIFEST).read_text())
+        self.providers = choose_providers(provider, tf32)
         check_optimized_for(self.manifest, self.providers)
-        so = session_options(threads, spin)
+        so = options or session_options(threads, spin)
         self.sessions: dict[str, ort.InferenceSession] = {}
-        names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"] if attention else [])
+        graphs = self.manifest["graphs"]
+        names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"]
+                                         if attention and "decode_attn" in graphs else [])
         for name in names:
-            path = self.dir / self.manifest["graphs"][name]["file"]
+            path = self.dir / graphs[name]["file"]
             self.sessions[name] = ort.InferenceSession(str(path), so, providers=self.providers)
         self.provider = self.sessions["decode"].get_providers()[0]
+        # a binding made once sees in-place updates of host arrays only on the CPU provider;
+        # elsewhere onnxruntime copies a host input when it is bound, so rebind every step
+        self._rebind = self.provider != "CPUExecutionProvider"
+        names = (self.manifest.get("runtime") or {}).get("names") or {
+            "past_key": "past_key_values.%d.key", "past_value": "past_key_values.%d.value",
+            "present_key": "present.%d.key", "present_value": "present.%d.value",
+            "attn_weights": "attn_weights.%d"}
         L = self.cfg.n_layers
-        self.present_names = [f"present.{i}.{kv}" for i in range(L) for kv in ("key", "value")]
-        self.past_names = [f"past_key_values.{i}.{kv}" for i in range(L)
-                           for kv in ("key", "value")]
-        self.attn_names = [f"attn_weights.{i}" for i in range(L)]
+        self.present_names = [names[f"present_{kv}"] % i for i in range(L)
+                              for kv in ("key", "value")]
+        self.past_names = [names[f"past_{kv}"] % i for i in range(L) for kv in ("key", "value")]
+        self.attn_names = [names["attn_weights"] % i for i in range(L)]
         self._bound: dict[tuple, tuple] = {}
 
     @property
     def has_attention(self) -> bool:
         return "decode_attn" in self.sessions
 
+    @property
+    def attention_ready(self) -> bool:
+        return self.has_attention
+
+    def new_cache(self, max_batch: int, capacity: int = CAPACITY_CHUNK) -> KVBuffers:
+        return KVBuffers(self.cfg, max_batch, capacity)
+
     # --- prefill -----------------------------------------------------------------------------
-    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray,
-                position_ids: np.ndarray | None = None, attention: bool = False) -> PrefillResult:
-        """input_ids, attention_mask: (B, T) int64, left-padded."""
+    def run_prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                    position_ids: np.ndarray | None = None, attention: bool = False
+                    ) -> PrefillResult:
+        """The prefill graph as exported: input_ids, attention_mask (B, T) int64,
+        left-padded."""
         if position_ids is None:
             position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
         sess = self.sessions["prefill_attn" if attention else "prefill"]
@@ -228,31 +196,55 @@ class OnnxLM:
         L2 = 2 * self.cfg.n_layers
         return PrefillResult(outs[0], outs[1:1 + L2], outs[1 + L2:] if attention else None)
 
-    # --- decode ------------------------------------------------------------------------------
-    def decode(self, kv: KVBuffers, n: int, tokens: np.ndarray, positions: np.ndarray,
-               attention: bool = False) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """One step for slots [0, n): tokens, positions (n,) int64.
+    def prefill(self, kv: KVBuffers, lo: int, prompts: list, attention: bool = False
+                ) -> Prefilled:
+        """New sequences into slots lo, lo+1, ... (left-padded through the prefill graph)."""
+        lens = [len(p) for p in prompts]
+        T = max(lens)
+        ids = np.full((len(prompts), T), self.cfg.pad_token_id or 0, np.int64)
+        mask = np.zeros((len(prompts), T), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = p
+            mask[b, T - len(p):] = 1
+        res = self.run_prefill(ids, mask, attention=attention)
+        for b, n in enumerate(lens):
+            kv.load_prompt(lo + b, res.present, b, n)
+        logits = [res.logits[b, T - n:] for b, n in enumerate(lens)]
+        attn = None
+        if attention:
+            attn = [np.stack([a[b, :, T - n:, T - n:] for a in res.attentions])
+                    for b, n in enumerate(lens)]
+        return Prefilled(logits, attn)
 
-        Returns logits (n, V) (a view into a reused buffer: copy what you keep) and, when asked,
-        attention probabilities L x (n, H, 1, capacity + 1) over the slot's buffer rows plus
-        the new token (column ``capacity``).
+    # --- decode ------------------------------------------------------------------------------
+    def decode(self, kv: KVBuffers, n: int, tokens: np.ndarray, attention: bool = False
+               ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """One step for slots [0, n): tokens (n,) int64 at positions ``kv.used``.
+
+        Returns logits (n, V) (a view into a reused buffer: copy what you keep) and, when
+        asked, per slot its attention (L, H, T_b) over its T_b tokens (the new one last).
         """
-        kv.ensure_capacity(int(kv.used[:n].max()) + 1)
+        used = kv.used[:n].copy()
+        kv.ensure_capacity(int(used.max()) + 1)
         name = "decode_attn" if attention else "decode"
         binding, ids, pos, logits, rows = self._binding(name, kv, n)
         ids[:, 0] = tokens
-        pos[:, 0] = positions
+        pos[:, 0] = used
+        if self._rebind:
+            self._bind_inputs(binding, kv, n, ids, pos)
         self.sessions[name].run_with_iobinding(binding)
         kv.append(n, rows)
         attn = None
         if attention:
             outs = binding.get_outputs()
             first = 1 + len(rows)
-            attn = [outs[first + i].numpy() for i in range(self.cfg.n_layers)]
+            a = [outs[first + i].numpy() for i in range(self.cfg.n_layers)]
+            cap = kv.capacity
+            attn = [np.stack([np.concatenate([x[b, :, 0, :used[b]], x[b, :, 0, cap:cap + 1]],
+                                             -1) for x in a]) for b in range(n)]
         return logits[:, 0], attn
 
-    def extend(self, kv: KVBuffers, slot: int, tokens: np.ndarray,
-               positions: np.ndarray | None = None) -> np.ndarray:
+    def extend(self, kv: KVBuffers, slot: int, tokens) -> np.ndarray:
         """Feed a chunk of T tokens to one slot through the decode graph (chunked prefill of a
         long prompt or a long Score input): the slot's rows so far are the past, the chunk's
         K/V rows are written after them. Returns the chunk's logits (T, V)."""
@@ -260,12 +252,11 @@ class OnnxLM:
         start = int(kv.used[slot])
         kv.ensure_capacity(start + T + 1)
         C = kv.capacity
-        if positions is None:  # a slot's rows are all real tokens: row index == position
-            positions = start + np.arange(T, dtype=np.int64)
+        positions = start + np.arange(T, dtype=np.int64)  # a slot's rows are all real tokens
         mask = np.concatenate([kv.mask[slot:slot + 1, :C], np.ones((1, T), np.int64)], 1)
         feeds = {"input_ids": np.asarray(tokens, np.int64)[None],
                  "attention_mask": mask,  # (1, C + T)
-                 "position_ids": np.asarray(positions, np.int64)[None]}
+                 "position_ids": positions[None]}
         for i in range(self.cfg.n_layers):
             feeds[self.past_names[2 * i]] = kv.k[i][slot:slot + 1]  # (1, Hkv, C, D), no copy
             feeds[self.past_names[2 * i + 1]] = kv.v[i][slot:slot + 1]
@@ -276,6 +267,14 @@ class OnnxLM:
         kv.mask[slot, start:start + T] = 1
         kv.used[slot] = start + T
         return outs[0][0]  # (T, V)
+
+    def _bind_inputs(self, b, kv: KVBuffers, n: int, ids, pos) -> None:
+        b.bind_cpu_input("input_ids", ids)
+        b.bind_cpu_input("position_ids", pos)
+        b.bind_cpu_input("attention_mask", kv.mask[:n])
+        for i in range(self.cfg.n_layers):
+            b.bind_cpu_input(self.past_names[2 * i], kv.k[i][:n])
+            b.bind_cpu_input(self.past_names[2 * i + 1], kv.v[i][:n])
 
     def _binding(self, name: str, kv: KVBuffers, n: int):
         """IO binding for (graph, batch n, buffer generation), built once and reused: the
@@ -290,12 +289,7 @@ class OnnxLM:
         b = sess.io_binding()
         ids = np.zeros((n, 1), np.int64)
         pos = np.zeros((n, 1), np.int64)
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("position_ids", pos)
-        b.bind_cpu_input("attention_mask", kv.mask[:n])
-        for i in range(cfg.n_layers):
-            b.bind_cpu_input(self.past_names[2 * i], kv.k[i][:n])
-            b.bind_cpu_input(self.past_names[2 * i + 1], kv.v[i][:n])
+        self._bind_inputs(b, kv, n, ids, pos)
         logits = np.zeros((n, 1, cfg.vocab_size), np.float32)
         rows = [np.zeros((n, cfg.n_kv_heads, 1, cfg.head_dim), np.float32)
                 for _ in range(2 * cfg.n_layers)]

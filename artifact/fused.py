@@ -1,0 +1,326 @@
+"""Running a fused artifact: one graph for prefill, chunked prefill and decode; the KV cache one
+device-resident buffer per layer that GroupQueryAttention writes in place.
+
+``DeviceKV`` holds, per layer, a (max_batch, Hkv, capacity, D) key and value buffer allocated by
+onnxruntime on the provider's device (CPU memory on CPU, GPU memory on CUDA). Slot ``b``'s rows
+[0, used[b]) are its tokens in order (row index == position). A call feeds, per slot, only its
+new token ids and three counters (``seqlens_k``, ``query_seqlens``, ``total_sequence_length``);
+the op reads the past rows and writes the new ones in place, so no cache is copied on any
+provider. Buffers are bound to an IO binding once per (batch slice, buffer generation); growth
+and slot compaction copy on the device through two tiny graphs (``KVOps``).
+
+The same code runs on CPU and CUDA; only where an OrtValue lives differs (``device``).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from kvserve.model.config import ModelConfig
+
+from .manifest import MANIFEST
+from .providers import check_optimized_for, choose_providers, device_of, session_options
+from .spec import FUSED_SMALL_INPUTS, fused_spec_from
+
+log = logging.getLogger(__name__)
+
+CAPACITY_CHUNK = 128
+_GENERATIONS = itertools.count(1)  # process-unique buffer generations (see DeviceKV)
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def _chunks(rows: int) -> int:
+    """Rows rounded up to a whole number of capacity chunks."""
+    return CAPACITY_CHUNK * ((max(rows, 1) + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
+
+
+@dataclass
+class Prefilled:
+    logits: list[np.ndarray]  # per sequence (T_b, V): row t predicts token t + 1
+    attention: list[np.ndarray] | None  # per sequence (L, H, T_b, T_b), when asked
+
+
+class KVOps:
+    """Device-side copies between KV buffers: ``resize`` (every slot keeps its first rows, in
+    a buffer of another capacity) and ``copy_slot``. Two tiny graphs on the same provider, so
+    a buffer never travels through the host."""
+
+    def __init__(self, providers: list, device: str, dtype):
+        self.device, self.dtype = device, np.dtype(dtype)
+        t = helper.np_dtype_to_tensor_dtype(self.dtype)
+        x = helper.make_tensor_value_info("x", t, ["b", "h", "c", "d"])
+        y = helper.make_tensor_value_info("y", t, None)
+        ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [k])
+                for n, k in (("keep", 1), ("pads", 8))]
+        starts = helper.make_tensor("starts", TensorProto.INT64, [1], [0])
+        axes = helper.make_tensor("axes", TensorProto.INT64, [1], [2])
+        resize = helper.make_graph(
+            [helper.make_node("Slice", ["x", "starts", "keep", "axes"], ["kept"]),
+             helper.make_node("Pad", ["kept", "pads"], ["y"])],
+            "kv_resize", [x, *ints], [y], [starts, axes])
+        copy = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "kv_copy", [x],
+                                 [y])
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
+
+        def session(g):
+            m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+            m.ir_version = 10
+            return ort.InferenceSession(m.SerializeToString(), so, providers=providers)
+
+        self._resize, self._copy = session(resize), session(copy)
+
+    def allocate(self, shape) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, self.device,
+                                                         0)
+
+    def resize(self, buf: ort.OrtValue, capacity: int) -> ort.OrtValue:
+        old = buf.shape()[2]
+        keep = min(old, capacity)
+        b = self._resize.io_binding()
+        b.bind_ortvalue_input("x", buf)
+        b.bind_cpu_input("keep", np.array([keep], np.int64))
+        b.bind_cpu_input("pads", np.array([0, 0, 0, 0, 0, 0, capacity - keep, 0], np.int64))
+        b.bind_output("y", self.device)
+        self._resize.run_with_iobinding(b)
+        return b.get_outputs()[0]
+
+    def copy_slot(self, buf: ort.OrtValue, src: int, dst: int) -> None:
+        shape = [1, *buf.shape()[1:]]
+        stride = int(np.prod(shape)) * self.dtype.itemsize
+        b = self._copy.io_binding()
+        b.bind_input("x", self.device, 0, self.dtype, shape, buf.data_ptr() + src * stride)
+        b.bind_output("y", self.device, 0, self.dtype, shape, buf.data_ptr() + dst * stride)
+        self._copy.run_with_iobinding(b)
+
+
+class DeviceKV:
+    """Per-layer key/value homes for up to ``max_batch`` sequences, on the provider's device.
+
+    Active sequences occupy the first slots; ``used[b]`` rows of slot b are filled. The
+    capacity grows in chunks (one device copy per chunk) and shrinks when long sequences
+    leave. ``generation`` changes (process-unique) whenever the buffers are reallocated, so a
+    cached IO binding is never used with freed buffers.
+    """
+
+    def __init__(self, cfg: ModelConfig, ops: KVOps, max_batch: int,
+                 capacity: int = CAPACITY_CHUNK):
+        self.cfg, self.ops, self.max_batch = cfg, ops, max_batch
+        self.capacity = 0
+        self.k: list[ort.OrtValue] = []  # per layer (max_batch, Hkv, C, D)
+        self.v: list[ort.OrtValue] = []
+        self.used = np.zeros(max_batch, dtype=np.int64)
+        self.generation = 0
+        self._reallocate(_chunks(capacity))
+
+    def ensure_capacity(self, needed: int) -> None:
+        if needed > self.capacity:
+            self._reallocate(_chunks(needed))
+
+    def shrink_to_fit(self, n: int) -> None:
+        """After sequences left: when the rows still in use by slots [0, n) fit in half the
+        capacity, move them to smaller buffers (memory; a step's cost follows ``used``)."""
+        target = _chunks(int(self.used[:n].max()) + 1 if n else 1)
+        self.used[n:] = 0
+        if target <= self.capacity // 2:
+            self._reallocate(target)
+
+    def _reallocate(self, capacity: int) -> None:
+        if self.k:
+            self.k = [self.ops.resize(a, capacity) for a in self.k]
+            self.v = [self.ops.resize(a, capacity) for a in self.v]
+        else:
+            shape = (self.max_batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
+            self.k = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
+            self.v = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
+        self.capacity = capacity
+        self.generation = next(_GENERATIONS)
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
+        if src == dst:
+            return
+        for buf in (*self.k, *self.v):
+            self.ops.copy_slot(buf, src, dst)
+        self.used[dst] = self.used[src]
+
+    def slot_rows(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """The filled rows of one slot, copied to the host (Hkv, used, D) each (tests, tools)."""
+        n = int(self.used[slot])
+        return (self.k[layer].numpy()[slot, :, :n], self.v[layer].numpy()[slot, :, :n])
+
+    def slice_shape(self, n: int) -> list[int]:
+        return [n, self.cfg.n_kv_heads, self.capacity, self.cfg.head_dim]
+
+    def slot_ptr(self, buf: ort.OrtValue, slot: int) -> int:
+        stride = self.cfg.n_kv_heads * self.capacity * self.cfg.head_dim
+        return buf.data_ptr() + slot * stride * self.ops.dtype.itemsize
+
+    def nbytes(self) -> int:
+        per = self.max_batch * self.cfg.n_kv_heads * self.capacity * self.cfg.head_dim
+        return 2 * self.cfg.n_layers * per * self.ops.dtype.itemsize
+
+
+class _Bound:
+    """One IO binding of the graph over slots [lo, lo + n) with S new tokens per slot: the KV
+    slices bound in place, the small inputs as OrtValues updated per call, logits into a
+    preallocated host array."""
+
+    def __init__(self, lm: "FusedLM", sess: ort.InferenceSession, kv: DeviceKV, lo: int,
+                 n: int, S: int, attention: bool):
+        spec, cfg = lm.spec_for(attention), lm.cfg
+        self.binding = b = sess.io_binding()
+        shapes = {"input_ids": ((n, S), np.int64), "seqlens_k": ((n,), np.int32),
+                  "query_seqlens": ((n,), np.int32), "total_sequence_length": ((), np.int32)}
+        self.small: dict[str, ort.OrtValue] = {}
+        for name in FUSED_SMALL_INPUTS:
+            shape, dt = shapes[name]
+            where = "cpu" if name in lm.host_inputs else lm.device
+            self.small[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dt, where,
+                                                                         0)
+            b.bind_ortvalue_input(name, self.small[name])
+        kv_dt, shape = kv.ops.dtype, kv.slice_shape(n)
+        for i in range(cfg.n_layers):
+            for k, bufs in (("key", kv.k), ("value", kv.v)):
+                ptr = kv.slot_ptr(bufs[i], lo)
+                b.bind_input(spec.past(i, k), lm.device, 0, kv_dt, shape, ptr)
+                b.bind_output(spec.present(i, k), lm.device, 0, kv_dt, shape, ptr)
+        self.logits = np.empty((n, S, cfg.vocab_size), np.float32)
+        b.bind_output("logits", "cpu", 0, np.float32, list(self.logits.shape),
+                      self.logits.ctypes.data)
+        self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
+
+    def feed(self, ids: np.ndarray, seqlens: np.ndarray, qlens: np.ndarray, total: int) -> None:
+        for name in self.attn_names:  # (n, H, S, total): its shape changes every call
+            self.binding.bind_output(name, "cpu")
+        self.small["input_ids"].update_inplace(ids)
+        self.small["seqlens_k"].update_inplace(seqlens)
+        self.small["query_seqlens"].update_inplace(qlens)
+        self.small["total_sequence_length"].update_inplace(np.array(total, np.int32))
+
+    def attentions(self) -> list[np.ndarray]:
+        """L x (n, H, S, total) from the last run."""
+        outs = self.binding.get_outputs()
+        first = len(outs) - len(self.attn_names)
+        return [outs[first + i].numpy() for i in range(len(self.attn_names))]
+
+
+class FusedLM:
+    """A fused artifact run by onnxruntime: ``prefill`` / ``extend`` / ``decode`` on slots of a
+    ``DeviceKV``. Attention diagnostics come from the graph's ``qk_output`` variant, whose
+    session is created the first time a call asks for them."""
+    kind = "fused"
+
+    def __init__(self, artifact_dir: str | Path, provider: str = "auto",
+                 threads: int | None = None, attention: bool = True, spin: bool = True,
+                 tf32: bool = False, options: ort.SessionOptions | None = None):
+        self.dir = Path(artifact_dir)
+        self.cfg = ModelConfig.load(self.dir / "config.json")
+        self.manifest = json.loads((self.dir / MANIFEST).read_text())
+        runtime = self.manifest["runtime"]
+        self.runtime = runtime
+        self.providers = choose_providers(provider, tf32)
+        check_optimized_for(self.manifest, self.providers)
+        self.device = device_of(self.providers)
+        self.host_inputs = set(runtime.get("host_inputs", ())) if self.device != "cpu" else set()
+        self._specs = {False: fused_spec_from(runtime, False), True: fused_spec_from(runtime,
+                                                                                     True)}
+        self._options = options or session_options(threads, spin)
+        self._sessions: dict[bool, ort.InferenceSession] = {False: self._load("main")}
+        self.provider = self._sessions[False].get_providers()[0]
+        self._attention_graph = attention and "attention" in runtime["graphs"]
+        kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
+        self.ops = KVOps(self.providers, self.device, kv_dtype)
+        self._bound: dict[tuple, _Bound] = {}
+
+    def _load(self, role: str) -> ort.InferenceSession:
+        path = self.dir / self.runtime["graphs"][role]
+        return ort.InferenceSession(str(path), self._options, providers=self.providers)
+
+    @property
+    def has_attention(self) -> bool:
+        return self._attention_graph
+
+    @property
+    def attention_ready(self) -> bool:
+        """Whether the diagnostics session is loaded (it loads on the first call that asks)."""
+        return True in self._sessions
+
+    def spec_for(self, attention: bool):
+        return self._specs[attention]
+
+    def session(self, attention: bool) -> ort.InferenceSession:
+        if attention not in self._sessions:
+            if not self._attention_graph:
+                raise RuntimeError("this artifact was exported without attention diagnostics")
+            log.info("loading the attention-diagnostics graph (first request that asks)")
+            self._sessions[attention] = self._load("attention")
+        return self._sessions[attention]
+
+    def new_cache(self, max_batch: int, capacity: int = CAPACITY_CHUNK) -> DeviceKV:
+        return DeviceKV(self.cfg, self.ops, max_batch, capacity)
+
+    # --- the one call ---------------------------------------------------------------------------
+    def _run(self, kv: DeviceKV, lo: int, ids: np.ndarray, qlens: np.ndarray,
+             attention: bool, cache: bool) -> _Bound:
+        """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n)."""
+        n, S = ids.shape
+        total = kv.used[lo:lo + n] + qlens  # (n,) tokens in each slot after this call
+        kv.ensure_capacity(int(total.max()))
+        key = (attention, lo, n, S, kv.generation)
+        bound = self._bound.get(key) if cache else None
+        if bound is None:
+            bound = _Bound(self, self.session(attention), kv, lo, n, S, attention)
+            if cache:  # drop the bindings of older buffer generations (they hold them alive)
+                self._bound = {k: v for k, v in self._bound.items() if k[4] == kv.generation}
+                self._bound[key] = bound
+        bound.feed(ids, (total - 1).astype(np.int32), qlens.astype(np.int32),
+                   int(total.max()))
+        self.session(attention).run_with_iobinding(bound.binding)
+        kv.used[lo:lo + n] = total
+        return bound
+
+    def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False
+                ) -> Prefilled:
+        """Each prompt (its first chunk, or all of it) into slots lo, lo+1, ...: the slots'
+        rows so far are their past (0 for a new sequence)."""
+        lens = np.array([len(p) for p in prompts], np.int64)
+        ids = np.zeros((len(prompts), int(lens.max())), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, :len(p)] = p
+        start = kv.used[lo:lo + len(prompts)].copy()
+        bound = self._run(kv, lo, ids, lens, attention, cache=False)
+        logits = [bound.logits[b, :n] for b, n in enumerate(lens)]
+        attn = None
+        if attention:
+            a = bound.attentions()  # L x (n, H, S, total)
+            attn = [np.stack([x[b, :, :n, :start[b] + n] for x in a])
+                    for b, n in enumerate(lens)]
+        return Prefilled(logits, attn)
+
+    def extend(self, kv: DeviceKV, slot: int, tokens) -> np.ndarray:
+        """A chunk of one slot's tokens (chunked prefill of a long prompt or Score input) after
+        its rows so far. Returns the chunk's logits (T, V)."""
+        return self.prefill(kv, slot, [tokens]).logits[0]
+
+    def decode(self, kv: DeviceKV, n: int, tokens: np.ndarray, attention: bool = False
+               ) -> tuple[np.ndarray, list[np.ndarray] | None]:
+        """One step for slots [0, n): tokens (n,). Returns logits (n, V) (a view into a reused
+        buffer: copy what you keep) and, when asked, per slot its attention (L, H, T_b) over
+        its T_b tokens (the new one last)."""
+        bound = self._run(kv, 0, tokens.reshape(n, 1), np.ones(n, np.int64), attention,
+                          cache=True)
+        attn = None
+        if attention:
+            a = bound.attentions()  # L x (n, H, 1, total)
+            attn = [np.stack([x[b, :, 0, :kv.used[b]] for x in a]) for b in range(n)]
+        return bound.logits[:, 0], attn
+

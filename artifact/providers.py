@@ -1,0 +1,76 @@
+"""Execution providers and session options: which device runs an artifact, and how."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnxruntime as ort
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def choose_providers(provider: str = "auto", tf32: bool = False) -> list:
+    """onnxruntime's provider list for ``auto`` / ``cpu`` / ``cuda``. On CUDA, TF32 is off
+    unless asked (``tf32``): fp32 artifacts then match the CPU provider to ~1e-6, with it
+    to ~1e-3."""
+    available = ort.get_available_providers()
+    if provider not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"provider must be auto, cpu or cuda, got {provider!r}")
+    if provider == "cuda" and CUDA not in available:
+        raise RuntimeError("provider 'cuda' requested but onnxruntime has no "
+                           "CUDAExecutionProvider (install onnxruntime-gpu on a CUDA host)")
+    if provider == "cpu" or CUDA not in available:
+        return [CPU]
+    return [(CUDA, {"use_tf32": "1" if tf32 else "0"}), CPU]
+
+
+def provider_name(p) -> str:
+    return p[0] if isinstance(p, tuple) else p
+
+
+def device_of(providers: list) -> str:
+    """The OrtValue device type of the first provider: ``cuda`` or ``cpu``."""
+    return "cuda" if provider_name(providers[0]) == CUDA else "cpu"
+
+
+def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return so
+
+
+def check_optimized_for(manifest: dict, providers: list) -> None:
+    """An offline-optimised artifact runs only where it was made for (see export --optimize)."""
+    tied = manifest.get("optimized_for")
+    if not tied:
+        return
+    problems = []
+    first = provider_name(providers[0])
+    if first != tied.get("provider"):
+        problems.append(f"provider {first} (optimised for {tied.get('provider')})")
+    if tied.get("onnxruntime") != ort.__version__:
+        problems.append(f"onnxruntime {ort.__version__} (optimised with "
+                        f"{tied.get('onnxruntime')})")
+    missing = sorted(set(tied.get("cpu_flags", [])) - cpu_flags())
+    if missing:
+        problems.append(f"this CPU lacks {', '.join(missing)}")
+    if problems:
+        raise RuntimeError("artifact was offline-optimised for another machine: "
+                           + "; ".join(problems) + ". Re-export without --optimize or on "
+                           "this machine.")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
