@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 CAPACITY_CHUNK = 128
 _GENERATIONS = itertools.count(1)  # process-unique buffer generations (see DeviceKV)
 _DTYPES = {"float32": np.float32, "float16": np.float16}
+_ONES = np.ones(256, np.int64)  # query_seqlens of a decode step
 
 
 def _chunks(rows: int) -> int:
@@ -171,22 +172,30 @@ class DeviceKV:
 
 class _Bound:
     """One IO binding of the graph over slots [lo, lo + n) with S new tokens per slot: the KV
-    slices bound in place, the small inputs as OrtValues updated per call, logits into a
-    preallocated host array."""
+    slices bound in place, logits into a preallocated host array, and the small inputs as
+    host arrays behind OrtValues. An OrtValue in host memory shares its array (a write to the
+    array is the update); one on the device is refreshed from it (``update_inplace``, a few
+    bytes) before each run."""
 
     def __init__(self, lm: "FusedLM", sess: ort.InferenceSession, kv: DeviceKV, lo: int,
                  n: int, S: int, attention: bool):
         spec, cfg = lm.spec_for(attention), lm.cfg
         self.binding = b = sess.io_binding()
-        shapes = {"input_ids": ((n, S), np.int64), "seqlens_k": ((n,), np.int32),
-                  "query_seqlens": ((n,), np.int32), "total_sequence_length": ((), np.int32)}
-        self.small: dict[str, ort.OrtValue] = {}
+        self.ids = np.zeros((n, S), np.int64)
+        self.seqlens = np.zeros(n, np.int32)
+        self.qlens = np.zeros(n, np.int32)
+        self.total = np.zeros((), np.int32)
+        arrays = {"input_ids": self.ids, "seqlens_k": self.seqlens,
+                  "query_seqlens": self.qlens, "total_sequence_length": self.total}
+        self._refresh: list[tuple[ort.OrtValue, np.ndarray]] = []
+        self._values = []  # keeps every bound OrtValue alive with the binding
         for name in FUSED_SMALL_INPUTS:
-            shape, dt = shapes[name]
             where = "cpu" if name in lm.host_inputs else lm.device
-            self.small[name] = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dt, where,
-                                                                         0)
-            b.bind_ortvalue_input(name, self.small[name])
+            value = ort.OrtValue.ortvalue_from_numpy(arrays[name], where, 0)
+            if where != "cpu":
+                self._refresh.append((value, arrays[name]))
+            self._values.append(value)
+            b.bind_ortvalue_input(name, value)
         kv_dt, shape = kv.ops.dtype, kv.slice_shape(n)
         for i in range(cfg.n_layers):
             for k, bufs in (("key", kv.k), ("value", kv.v)):
@@ -198,13 +207,12 @@ class _Bound:
                       self.logits.ctypes.data)
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
 
-    def feed(self, ids: np.ndarray, seqlens: np.ndarray, qlens: np.ndarray, total: int) -> None:
+    def sync(self) -> None:
+        """After the host arrays were written: device copies, fresh attention outputs."""
+        for value, arr in self._refresh:
+            value.update_inplace(arr)
         for name in self.attn_names:  # (n, H, S, total): its shape changes every call
             self.binding.bind_output(name, "cpu")
-        self.small["input_ids"].update_inplace(ids)
-        self.small["seqlens_k"].update_inplace(seqlens)
-        self.small["query_seqlens"].update_inplace(qlens)
-        self.small["total_sequence_length"].update_inplace(np.array(total, np.int32))
 
     def attentions(self) -> list[np.ndarray]:
         """L x (n, H, S, total) from the last run."""
@@ -273,8 +281,10 @@ class FusedLM:
              attention: bool, cache: bool) -> _Bound:
         """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n)."""
         n, S = ids.shape
-        total = kv.used[lo:lo + n] + qlens  # (n,) tokens in each slot after this call
-        kv.ensure_capacity(int(total.max()))
+        used = kv.used[lo:lo + n]
+        top = int(used.max()) + S  # enough rows for every slot, whatever its qlen
+        if top > kv.capacity:
+            kv.ensure_capacity(top)
         key = (attention, lo, n, S, kv.generation)
         bound = self._bound.get(key) if cache else None
         if bound is None:
@@ -282,10 +292,17 @@ class FusedLM:
             if cache:  # drop the bindings of older buffer generations (they hold them alive)
                 self._bound = {k: v for k, v in self._bound.items() if k[4] == kv.generation}
                 self._bound[key] = bound
-        bound.feed(ids, (total - 1).astype(np.int32), qlens.astype(np.int32),
-                   int(total.max()))
-        self.session(attention).run_with_iobinding(bound.binding)
-        kv.used[lo:lo + n] = total
+        used += qlens  # in place: kv.used now counts this call's tokens
+        bound.ids[...] = ids
+        np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
+        bound.qlens[...] = qlens
+        bound.total[...] = used.max()
+        bound.sync()
+        try:
+            self.session(attention).run_with_iobinding(bound.binding)
+        except BaseException:
+            used -= qlens
+            raise
         return bound
 
     def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False
@@ -316,8 +333,8 @@ class FusedLM:
         """One step for slots [0, n): tokens (n,). Returns logits (n, V) (a view into a reused
         buffer: copy what you keep) and, when asked, per slot its attention (L, H, T_b) over
         its T_b tokens (the new one last)."""
-        bound = self._run(kv, 0, tokens.reshape(n, 1), np.ones(n, np.int64), attention,
-                          cache=True)
+        bound = self._run(kv, 0, tokens.reshape(n, 1), _ONES[:n] if n <= len(_ONES) else
+                          np.ones(n, np.int64), attention, cache=True)
         attn = None
         if attention:
             a = bound.attentions()  # L x (n, H, 1, total)

@@ -160,13 +160,13 @@ def build_ckpt(hf: Path, out: Path) -> Path:
 
 
 def code_stamp() -> str:
-    """Fingerprint of the code an artifact is made by (model/, export/): a change there makes
+    """Fingerprint of the code an artifact is made by (model/, export/, artifact/): a change there makes
     the cached artifacts stale."""
     import hashlib
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for pkg in ("model", "export"):
+    for pkg in ("model", "export", "artifact"):
         for p in sorted((root / pkg).glob("*.py")):
             h.update(p.name.encode())
             h.update(p.read_bytes())

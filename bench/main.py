@@ -174,7 +174,7 @@ def versions() -> dict:
 
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
-    from .roofline import bandwidth_in_subprocess, decode_weight_bytes
+    from .roofline import bandwidth_in_subprocess, decode_graph, decode_weight_bytes
     from .runners import run_in_subprocess
 
     cache = Path(args.cache)
@@ -222,12 +222,12 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     if _BEST_BW is None or bw["gbps"] > _BEST_BW["gbps"]:
         _BEST_BW = bw
     bw = {**_BEST_BW, "this_size_gbps": bw["gbps"]}
-    rf = {"bandwidth": bw, "fp32": decode_weight_bytes(built.fp32 / "decode.onnx")}
+    rf = {"bandwidth": bw, "fp32": decode_weight_bytes(decode_graph(built.fp32))}
     steady = _steady(out["runners"].get("loop"))
     if steady:
         rf["fp32"]["steady_tok_s"] = steady
     if built.int8 is not None and "engine_int8" in pl:
-        rf["int8"] = decode_weight_bytes(built.int8 / "decode.onnx")
+        rf["int8"] = decode_weight_bytes(decode_graph(built.int8))
         man = json.loads((built.int8 / "manifest.json").read_text())
         out["int8_perplexity"] = {"fp32": _get_ppl(man, "fp32"), "int8": _get_ppl(man, "int8"),
                                   "relative_change": man.get("perplexity", {})

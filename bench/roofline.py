@@ -11,6 +11,16 @@ ONNX_DTYPE_BYTES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8
                     16: 2}
 
 
+def decode_graph(artifact: str | Path) -> Path:
+    """The graph a decode step runs: the fused graph, or a portable artifact's decode.onnx."""
+    import json
+
+    art = Path(artifact)
+    runtime = json.loads((art / "manifest.json").read_text()).get("runtime") or {}
+    graphs = runtime.get("graphs") or {}
+    return art / graphs.get("main", graphs.get("decode", "decode.onnx"))
+
+
 def decode_weight_bytes(graph: str | Path) -> dict:
     """Sum of the initializer bytes one decode step reads.
 

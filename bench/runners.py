@@ -9,8 +9,8 @@ Every runner offers the same operations on the same token ids:
 What each runner is:
   engine  kvserve's continuous-batching Engine (server/engine.py), in-process: N requests
           submitted together, tokens collected from the handles
-  loop    the raw OnnxLM + KVBuffers loop (server/runtime.py): prefill, copy into the buffers,
-          decode steps with greedy argmax; no engine, no detokenizer
+  loop    the raw runner loop (kvserve.artifact: FusedLM + DeviceKV for a fused artifact):
+          prefill into the cache, decode steps with greedy argmax; no engine, no detokenizer
   torch   kvserve's torch model, eager (model/generate.py)
   hf      Hugging Face transformers LlamaForCausalLM.generate, eager attention, same weights
   genai   onnxruntime-genai 0.18 Generator API, greedy, batch via set_search_options
@@ -83,26 +83,21 @@ class Runner:
 
 
 class LoopRunner(Runner):
-    """OnnxLM + KVBuffers, the engine's core without the engine."""
+    """The artifact's runner and its KV cache, the engine's core without the engine."""
     name = "loop"
     has_steps = True
     has_stream = True
 
-    def __init__(self, artifact: str, threads: int):
-        from kvserve.server.runtime import OnnxLM
+    def __init__(self, artifact: str, threads: int, provider: str = "cpu"):
+        from kvserve.artifact.loader import load_lm
 
-        self.lm = OnnxLM(artifact, provider="cpu", threads=threads, attention=False)
+        self.lm = load_lm(artifact, provider=provider, threads=threads, attention=False)
         self.cfg = self.lm.cfg
 
     def _start(self, prompts: np.ndarray, capacity: int):
-        from kvserve.server.runtime import KVBuffers
-
-        B, P = prompts.shape
-        kv = KVBuffers(self.cfg, B, capacity=capacity)
-        res = self.lm.prefill(prompts, np.ones_like(prompts))
-        for b in range(B):
-            kv.load_prompt(b, res.present, b, P)
-        return kv, res.logits[:, -1].argmax(-1).astype(np.int64)
+        kv = self.lm.new_cache(len(prompts), capacity=capacity)
+        res = self.lm.prefill(kv, 0, list(prompts))
+        return kv, np.array([x[-1].argmax() for x in res.logits], np.int64)
 
     def generate(self, prompts, n, times: list | None = None):
         B, P = prompts.shape
@@ -112,7 +107,7 @@ class LoopRunner(Runner):
         if times is not None:
             times.append(time.perf_counter())
         for i in range(1, n):
-            logits, _ = self.lm.decode(kv, B, tok, kv.used[:B].copy())
+            logits, _ = self.lm.decode(kv, B, tok)
             tok = logits.argmax(-1)
             out[:, i] = tok
             if times is not None:
@@ -130,7 +125,7 @@ class LoopRunner(Runner):
         dts = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            logits, _ = self.lm.decode(kv, 1, tok, kv.used[:1].copy())
+            logits, _ = self.lm.decode(kv, 1, tok)
             tok = logits.argmax(-1)
             dts.append(time.perf_counter() - t0)
         return 1000 * statistics.median(dts)
@@ -139,7 +134,8 @@ class LoopRunner(Runner):
 class RecordingMetrics:
     """The engine's metrics hooks (server.engine.NullMetrics), recording what the engine itself
     measures: the gap between a sequence's tokens (inter-token latency as the engine sees it,
-    free of the consumer thread's wake-up) and the time inside ``OnnxLM.decode`` per step."""
+    free of the consumer thread's wake-up) and the time inside the runner's ``decode`` per
+    step."""
 
     def __init__(self):
         self.gaps: list[float] = []
@@ -167,12 +163,12 @@ class EngineRunner(Runner):
     def __init__(self, artifact: str, threads: int, max_batch: int = 16):
         from tokenizers import Tokenizer as HFTokenizer
 
+        from kvserve.artifact.loader import load_lm
         from kvserve.server.config import ServerConfig
         from kvserve.server.detok import TokenBytes
         from kvserve.server.engine import Engine
-        from kvserve.server.runtime import OnnxLM
 
-        self.lm = OnnxLM(artifact, provider="cpu", threads=threads, attention=False)
+        self.lm = load_lm(artifact, provider="cpu", threads=threads, attention=False)
         self.cfg = self.lm.cfg
         tb = TokenBytes(HFTokenizer.from_file(str(Path(artifact) / "tokenizer.json")),
                         self.cfg.vocab_size)
@@ -191,11 +187,7 @@ class EngineRunner(Runner):
                                output=OutputParams())
 
     def _submit_all(self, prompts, n):
-        reqs = [self._request(p, n) for p in prompts]
-        # All requests enter the queue in one critical section so the engine admits them in
-        # one iteration (the condition's lock is reentrant; submit takes it too).
-        with self.engine._cond:
-            return [self.engine.submit(r) for r in reqs]
+        return self.engine.submit_many([self._request(p, n) for p in prompts])
 
     def generate(self, prompts, n):
         from kvserve.server.domain import FinishEvent, TokenEvent

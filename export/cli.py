@@ -13,10 +13,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory (kvserve train / import-hf)")
     parser.add_argument("--out", required=True, help="artifact directory to write")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="fp32 (default, CPU), fp16 (CUDA provider), int8 (CPU, dynamic "
-                             "quantization)")
+                        help="fp32 (default), fp16 (CUDA provider; float16 KV cache), int8 "
+                             "(CPU, dynamic quantization), int4 (CPU, 4-bit weight blocks: "
+                             "MatMulNBits; fused graphs)")
+    parser.add_argument("--portable", action="store_true",
+                        help="standard ONNX ops only (prefill + decode graphs with the optimum "
+                             "/ genai I/O names) for other runtimes, instead of the fused "
+                             "GroupQueryAttention graph")
     parser.add_argument("--no-attention", action="store_true",
-                        help="skip the attention-diagnostics graphs")
+                        help="skip the attention-diagnostics graph(s)")
     parser.add_argument("--parity-steps", type=int, default=64,
                         help="decode steps in the parity gate (>= 64)")
     parser.add_argument("--eval-text", default=None,
@@ -42,7 +47,8 @@ def main(args) -> int:
 
     try:
         out = export_artifacts(args.checkpoint, args.out, precision=args.precision,
-                               attention=not args.no_attention, parity_steps=args.parity_steps,
+                               attention=not args.no_attention, portable=args.portable,
+                               parity_steps=args.parity_steps,
                                eval_text=args.eval_text, max_ppl_increase=args.max_ppl_increase,
                                optimize=args.optimize,
                                overwrite=args.overwrite, threads=args.threads)
@@ -54,7 +60,7 @@ def main(args) -> int:
         return 2
     m = json.loads((Path(out) / "manifest.json").read_text())
     p = m["parity"]["fp32"]
-    print(f"exported {out} ({m['precision']}): parity fp32 max |Δlogit| prefill "
+    print(f"exported {out} ({m['kind']} graph, {m['precision']}): parity fp32 max |Δlogit| prefill "
           f"{p['max_abs_logit_prefill']:.2e}, decode {p['max_abs_logit_decode']:.2e} over "
           f"{p['decode_steps']} steps x {p['batch']} rows, greedy tokens equal: "
           f"{p['greedy_tokens_equal']}")

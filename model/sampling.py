@@ -16,11 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 NEG_INF = np.float32(-np.inf)
+# A temperature below this is greedy (vLLM's rule too): dividing float32 logits by ~1e-38 and
+# less overflows to inf, and inf - inf made the sampled token garbage (NaN probabilities),
+# while any temperature this small draws the argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE (e.g. 0) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -31,7 +35,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -112,6 +116,16 @@ def next_token(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator |
         return int(np.argmax(x))
     probs = softmax(filter_logits(x, p))
     return draw(probs, (rng if rng is not None else make_rng(None)).random())
+
+
+def token_logprobs(logits: np.ndarray, tok: int, n_top: int
+                   ) -> tuple[float, np.ndarray | None, np.ndarray | None]:
+    """The chosen token's logprob and, when ``n_top``, the top ids and logprobs. logits (V,)."""
+    lp = log_softmax(logits)
+    if not n_top:
+        return float(lp[tok]), None, None
+    ids, lps = top_n(lp, n_top)
+    return float(lp[tok]), ids, lps
 
 
 def top_n(logprobs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -32,18 +32,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from kvserve.model.sampling import log_softmax, make_rng, next_token, top_n
+from kvserve.model.sampling import make_rng, next_token, token_logprobs
 
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
-from .domain import (FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoredSequence,
-                     ScoreRequest, Timings, TokenEvent, Unavailable)
+from .domain import (FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest,
+                     Timings, TokenEvent, Unavailable)
+from .scoring import score_steps
+from .stopping import banned_ids, check_stop
 
 log = logging.getLogger(__name__)
 
 NEG_INF = np.float32(-np.inf)
 _NO_TOKENS = np.zeros(0, np.int64)
-_SCORE_BLOCK = 16  # logits rows per log-softmax call in Score (16 x vocab floats stay in cache)
-_SCORE_GROUP = 512  # tokens per shared Score prefill: bigger batches fall out of cache
 # what a request still queued or decoding when the engine stops is told (as UNAVAILABLE)
 SHUTTING_DOWN = "the server is shutting down (drain grace expired); retry on another replica"
 
@@ -109,36 +109,7 @@ class _ScoreJob:
     req: ScoreRequest
     handle: Handle
     future: concurrent.futures.Future
-    steps: Iterator[None] | None = None
-
-
-class _Scored:
-    """Per-token logprobs of one Score sequence, filled chunk by chunk."""
-
-    def __init__(self, ids: list[int], n_top: int):
-        T = len(ids)
-        self.ids, self.n_top = ids, n_top
-        self.lps = np.zeros(T - 1, np.float32)
-        self.tops_i = np.zeros((T - 1, n_top), np.int64) if n_top else None
-        self.tops_l = np.zeros((T - 1, n_top), np.float32) if n_top else None
-
-    def record(self, start: int, rows: np.ndarray) -> None:
-        """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1])."""
-        t = min(len(rows), len(self.ids) - 1 - start)
-        if t <= 0:
-            return
-        for a in range(0, t, _SCORE_BLOCK):  # blocks of rows that stay in cache
-            b = min(a + _SCORE_BLOCK, t)
-            lp = log_softmax(rows[a:b])  # (b - a, V)
-            target = np.asarray(self.ids[start + a + 1:start + b + 1], np.int64)
-            self.lps[start + a:start + b] = lp[np.arange(b - a), target]
-            for j in range(b - a if self.n_top else 0):
-                self.tops_i[start + a + j], self.tops_l[start + a + j] = top_n(lp[j],
-                                                                               self.n_top)
-
-    def result(self) -> ScoredSequence:
-        return ScoredSequence(len(self.ids), np.asarray(self.ids[1:], np.int64), self.lps,
-                              self.tops_i, self.tops_l)
+    steps: Iterator[None] | None = None  # scoring.score_steps
 
 
 class Engine:
@@ -208,6 +179,12 @@ class Engine:
             self.metrics.queue_depth(len(self._waiting))
             self._cond.notify_all()
         return h
+
+    def submit_many(self, reqs: list[GenerateRequest]) -> list[Handle]:
+        """Several requests queued in one critical section, so the engine admits them in the
+        same iteration (as far as free slots allow). All or, on QueueFull, the ones before."""
+        with self._cond:  # reentrant: submit takes it too
+            return [self.submit(r) for r in reqs]
 
     def submit_score(self, req: ScoreRequest) -> tuple[Handle, concurrent.futures.Future]:
         h = Handle(self, req.request_id or f"score-{next(self._ids)}")
@@ -375,16 +352,13 @@ class Engine:
 
     def _on_logits(self, seq: _Seq, raw: np.ndarray, attention) -> None:
         """Sample the next token of ``seq`` from its logits row (V,) and emit it."""
-        req, st = seq.req, seq.req.stopping
+        req = seq.req
         k = len(seq.generated)
         x = raw
-        if k < st.min_new_tokens:  # the stops cannot be chosen yet
-            banned = list(st.stop_token_ids)
-            if self.eos_id is not None and not st.ignore_eos:
-                banned.append(self.eos_id)
-            if banned:
-                x = raw.copy()
-                x[banned] = NEG_INF
+        banned = banned_ids(req.stopping, self.eos_id, k)
+        if banned:
+            x = raw.copy()
+            x[banned] = NEG_INF
         if req.sampling.has_penalties:  # the token arrays are built only when used
             gen = np.asarray(seq.generated, np.int64)
             ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen])
@@ -394,50 +368,35 @@ class Engine:
         seq.generated.append(tok)
         seq.feed = tok
 
-        out = req.output
-        ev = TokenEvent(index=k, token_id=tok, text="")
+        stop = check_stop(tok, k, req.stopping, self.eos_id, seq.detok, seq.stopper)
+        ev = self._event(k, tok, raw, attention, stop, req.output)
+        self._emit(seq, ev)
+        if stop.finish is not None:
+            self._finish(seq, stop.finish, stop_sequence=stop.stop_sequence,
+                         stop_token=tok if stop.finish is FinishReason.STOP_TOKEN else None)
+
+    @staticmethod
+    def _event(k: int, tok: int, raw: np.ndarray, attention, stop, out) -> TokenEvent:
+        ev = TokenEvent(index=k, token_id=tok, text=stop.text, special=stop.special)
         if out.logprobs or out.top_logprobs:
-            lp = log_softmax(raw)
-            ev.logprob = float(lp[tok])
+            ev.logprob, top_ids, top_lps = token_logprobs(raw, tok, out.top_logprobs)
             if out.top_logprobs:
-                ev.top_ids, ev.top_logprobs = top_n(lp, out.top_logprobs)
+                ev.top_ids, ev.top_logprobs = top_ids, top_lps
         if out.return_logits:
             ev.logits = np.array(raw, np.float32, copy=True)
         if attention:
             ev.attention = attention
+        return ev
 
-        finish, stop_seq = None, ""
-        armed = k >= st.min_new_tokens
-        if armed and tok == self.eos_id and not st.ignore_eos:
-            finish, ev.special = FinishReason.EOS_TOKEN, True
-        elif armed and tok in st.stop_token_ids:
-            finish, ev.special = FinishReason.STOP_TOKEN, True
-        else:
-            r = seq.stopper.push(seq.detok.push(tok), armed)
-            ev.text = r.text
-            if r.stop is not None:
-                finish, stop_seq = FinishReason.STOP_SEQUENCE, r.stop
-        if finish is None and len(seq.generated) >= st.max_new_tokens:
-            finish = FinishReason.LENGTH
-        if finish is not None and finish is not FinishReason.STOP_SEQUENCE:
-            r = seq.stopper.push(seq.detok.flush(), armed)
-            ev.text += r.text
-            if r.stop is not None:
-                finish, stop_seq = FinishReason.STOP_SEQUENCE, r.stop
-            else:
-                ev.text += seq.stopper.flush()
-
+    def _emit(self, seq: _Seq, ev: TokenEvent) -> None:
         now = time.monotonic()
-        first = k == 0
+        first = ev.index == 0
         self.metrics.token(first, now - (seq.submitted if first else seq.last_token))
         if first:
             seq.first_token = now
         seq.last_token = now
         seq.text.append(ev.text)
         seq.handle.events.put(ev)
-        if finish is not None:
-            self._finish(seq, finish, stop_sequence=stop_seq,
-                         stop_token=tok if finish is FinishReason.STOP_TOKEN else None)
 
     # --- leaving -------------------------------------------------------------------------------
     def _finish(self, seq: _Seq, reason: FinishReason, stop_sequence: str = "",
@@ -488,10 +447,10 @@ class Engine:
                                         and time.monotonic() >= job.req.deadline):
                 raise concurrent.futures.CancelledError()
             if job.steps is None:
-                job.steps = self._score_steps(job)
+                job.steps = score_steps(self.lm, job.req, self.prefill_tokens)
             next(job.steps)
-        except StopIteration:
-            pass
+        except StopIteration as done:  # the generator returns the results
+            job.future.set_result(done.value)
         except concurrent.futures.CancelledError:
             job.future.cancel()
         except Exception as e:
@@ -500,42 +459,6 @@ class Engine:
         if job.future.done():
             with self._cond:
                 self._jobs.remove(job)
-
-    def _score_steps(self, job: _ScoreJob) -> Iterator[None]:
-        """Sequences short enough share left-padded prefills whose logits (B x T x V) stay
-        under the cap; a longer one prefills its first chunk, then the next chunks through the
-        decode graph with a private KV buffer as their past. One model call per loop turn
-        (generation steps interleave); never more than one chunk of logits held."""
-        seqs, cap = job.req.sequences, self.prefill_tokens
-        group_cap = min(cap, _SCORE_GROUP)
-        acc = [_Scored(ids, job.req.top_logprobs) for ids in seqs]
-        short = sorted((i for i, ids in enumerate(seqs) if len(ids) <= cap),
-                       key=lambda i: len(seqs[i]))
-        group: list[int] = []
-        for i in short + [None]:
-            if group and (i is None or (len(group) + 1) * len(seqs[i]) > group_cap):
-                self._score_prefill([seqs[j] for j in group], [acc[j] for j in group])
-                group = []
-                yield
-            if i is not None:
-                group.append(i)
-        for ids, a in zip(seqs, acc):
-            T = len(ids)
-            if T <= cap:
-                continue
-            kv = self.lm.new_cache(1, capacity=T + 1)  # private to this sequence
-            a.record(0, self.lm.prefill(kv, 0, [ids[:cap]]).logits[0])
-            yield
-            for start in range(cap, T - 1, cap):  # one chunk per loop turn
-                chunk = np.asarray(ids[start:min(start + cap, T - 1)], np.int64)
-                a.record(start, self.lm.extend(kv, 0, chunk))  # (t, V)
-                yield
-        job.future.set_result([a.result() for a in acc])
-
-    def _score_prefill(self, seqs: list[list[int]], acc: list["_Scored"]) -> None:
-        kv = self.lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs))
-        for logits, a in zip(self.lm.prefill(kv, 0, seqs).logits, acc):  # (T_b, V) each
-            a.record(0, logits)
 
     # --- warm-up -------------------------------------------------------------------------------
     def warmup(self, make_request: Callable[[bool], GenerateRequest], timeout: float = 120.0

@@ -8,16 +8,12 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.model.sampling import SamplingParams
+from kvserve.model.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 from .config import ServerConfig
 from .domain import InvalidArgument, OutputParams, ScoreRequest, StopParams, Unimplemented
 
 MAX_REQUEST_ID_CHARS = 128
-# A temperature below this is greedy (vLLM's rule too): dividing float32 logits by ~1e-38 and
-# less overflows to inf, and inf - inf made the sampled token garbage (NaN probabilities),
-# while any temperature this small draws the argmax anyway.
-GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_SEED = (1 << 64) - 1
 
 
@@ -79,7 +75,7 @@ def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 
     t = _finite("sampling.temperature", temperature, f"[0, {c.max_temperature}]")
     _need(0.0 <= t <= c.max_temperature,
           f"sampling.temperature must be in [0, {c.max_temperature}] (0 = greedy)")
-    if t < GREEDY_BELOW_TEMPERATURE:
+    if t < GREEDY_BELOW_TEMPERATURE:  # greedy (SamplingParams.greedy): report it as 0
         t = 0.0
     _need(0 <= top_k <= lim.vocab_size,
           f"sampling.top_k must be in [0, {lim.vocab_size}] (0 = off)")

@@ -1,0 +1,176 @@
+"""The engine on a numpy fake model (tests/fake_lm.py): admission, continuous batching,
+cancellation, stops and Score, fast and without torch or onnxruntime."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from fake_lm import FakeLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvserve.model.sampling import SamplingParams, log_softmax
+from kvserve.server.detok import TokenBytes
+from kvserve.server.domain import (FinishEvent, FinishReason, GenerateRequest, OutputParams,
+                                   QueueFull, ScoreRequest, StopParams, TokenEvent)
+from kvserve.server.engine import Engine
+
+V = 64
+
+
+def _token_bytes() -> TokenBytes:
+    """A word-level vocabulary: token i is the text "t{i} " (stop strings can match)."""
+    vocab = {f"t{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tb = TokenBytes(tok, V)
+    tb.table = [f"t{i} ".encode() for i in range(V)]
+    return tb
+
+
+@pytest.fixture
+def make_engine():
+    engines = []
+
+    def make(lm=None, **kw):
+        lm = lm or FakeLM(V)
+        args = dict(max_batch=4, max_queue=16, prefill_floats=V * 64, eos_id=None)
+        args.update(kw)
+        e = Engine(lm, _token_bytes(), **args)
+        e.start()
+        engines.append(e)
+        return e, lm
+    yield make
+    for e in engines:
+        e.stop()
+
+
+def _req(prompt, n, **stop):
+    return GenerateRequest(prompt_ids=list(prompt), sampling=SamplingParams(),
+                           stopping=StopParams(max_new_tokens=n, **stop), output=OutputParams())
+
+
+def _collect(h):
+    toks, fin = [], None
+    for ev in h:
+        if isinstance(ev, TokenEvent):
+            toks.append(ev.token_id)
+        else:
+            fin = ev
+    return toks, fin
+
+
+def test_concurrent_requests_share_decode_steps_and_match_the_reference(make_engine):
+    engine, lm = make_engine(max_batch=4)
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
+    handles = engine.submit_many([_req(p, 12) for p in prompts])
+    for p, h in zip(prompts, handles):
+        toks, fin = _collect(h)
+        assert toks == lm.reference(p, 12) and fin.reason is FinishReason.LENGTH
+    assert max(lm.decode_batches) == 4  # never more than max_batch slots in a step
+    assert sum(lm.decode_batches) == 6 * 11  # every token after the first came from a step
+    assert len(lm.decode_batches) < 6 * 11  # ... and steps were shared
+
+
+def test_long_prompt_is_prefilled_in_chunks(make_engine):
+    engine, lm = make_engine(prefill_floats=V * 8)  # 8 tokens per prefill chunk
+    prompt = list(range(1, 30))
+    toks, fin = _collect(engine.submit(_req(prompt, 5)))
+    assert toks == lm.reference(prompt, 5)
+    assert lm.calls["extend"] == 3  # 29 tokens: 8 prefilled, then 8 + 8 + 5
+
+
+def test_queue_full_and_cancellation(make_engine):
+    engine, lm = make_engine(FakeLM(V, step_delay=0.002), max_batch=1, max_queue=1)
+    first = engine.submit(_req([1], 1000))
+    second = engine.submit(_req([2], 5))
+    with pytest.raises(QueueFull):
+        for _ in range(3):  # the first may already have a slot: the queue holds one more
+            engine.submit(_req([3], 5))
+    ev = first.events.get(timeout=5)
+    assert isinstance(ev, TokenEvent)
+    first.cancel()
+    _, fin = _collect(first)
+    assert fin.reason is FinishReason.CANCELLED and fin.generated_tokens < 1000
+    toks, fin = _collect(second)
+    assert toks == lm.reference([2], 5) and fin.reason is FinishReason.LENGTH
+
+
+def test_a_queued_request_can_be_cancelled(make_engine):
+    engine, _ = make_engine(FakeLM(V, step_delay=0.002), max_batch=1)
+    running = engine.submit(_req([1], 1000))
+    queued = engine.submit(_req([2], 5))
+    queued.cancel()
+    _, fin = _collect(queued)
+    assert fin.reason is FinishReason.CANCELLED and fin.generated_tokens == 0
+    running.cancel()
+    assert _collect(running)[1].reason is FinishReason.CANCELLED
+
+
+def test_stops_eos_stop_ids_strings_and_min_tokens(make_engine):
+    lm = FakeLM(V)
+    ref = lm.reference([7], 20)
+    eos = ref[5]
+    engine, _ = make_engine(lm, eos_id=eos)
+    toks, fin = _collect(engine.submit(_req([7], 20)))
+    first = ref.index(eos)
+    assert toks == ref[:first + 1] and fin.reason is FinishReason.EOS_TOKEN
+    toks, fin = _collect(engine.submit(_req([7], 20, ignore_eos=True, stop_token_ids=(ref[3],))))
+    assert toks == ref[:ref.index(ref[3]) + 1] and fin.reason is FinishReason.STOP_TOKEN
+    assert fin.stop_token_id == ref[3]
+    stop = f"t{ref[2]} t{ref[3]}"
+    _, fin = _collect(engine.submit(_req([7], 20, ignore_eos=True, stop=(stop,))))
+    assert fin.reason is FinishReason.STOP_SEQUENCE and fin.stop_sequence == stop
+    assert stop not in fin.text
+    # min_new_tokens: the eos cannot be chosen before 8 tokens
+    toks, fin = _collect(engine.submit(_req([7], 8, min_new_tokens=8)))
+    assert len(toks) == 8 and eos not in toks and fin.reason is FinishReason.LENGTH
+
+
+def test_attention_rows_cover_the_sequence(make_engine):
+    engine, lm = make_engine()
+    req = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(),
+                          stopping=StopParams(max_new_tokens=4),
+                          output=OutputParams(attention_layers=(1,), attention_heads=(0,)))
+    evs = [ev for ev in engine.submit(req) if isinstance(ev, TokenEvent)]
+    for k, ev in enumerate(evs):
+        (layer, head, row), = ev.attention
+        assert (layer, head) == (1, 0) and len(row) == 3 + k  # the tokens so far
+        np.testing.assert_allclose(row, 1.0 / (3 + k))
+
+
+def test_score_matches_the_model_and_interleaves_with_generation(make_engine):
+    engine, lm = make_engine(prefill_floats=V * 16)
+    g = np.random.default_rng(1)
+    seqs = [g.integers(0, V, n).tolist() for n in (5, 40, 9)]  # 40 > 16: chunked
+    gen = engine.submit(_req([3], 30))
+    _, fut = engine.submit_score(ScoreRequest(sequences=seqs, top_logprobs=2))
+    res = fut.result(timeout=10)
+    for ids, r in zip(seqs, res):
+        want = [float(log_softmax(lm.logits_at(ids[i], i))[ids[i + 1]])
+                for i in range(len(ids) - 1)]
+        np.testing.assert_allclose(r.logprobs, want, rtol=1e-5, atol=1e-6)
+        assert r.top_ids.shape == (len(ids) - 1, 2)
+    assert _collect(gen)[1].reason is FinishReason.LENGTH
+
+
+def test_many_threads_submit_at_once(make_engine):
+    engine, lm = make_engine(max_batch=3, max_queue=64)
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = _collect(engine.submit(_req([i + 1], 6)))[0]
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(20)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and time.monotonic() - t0 < 10
+    for i in range(20):
+        assert results[i] == lm.reference([i + 1], 6)
