@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -248,6 +249,7 @@ class FusedLM:
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
         self._bound: dict[tuple, _Bound] = {}
+        self.ort_seconds = 0.0  # time inside onnxruntime's run, all calls (profiling tools)
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
@@ -298,11 +300,13 @@ class FusedLM:
         bound.qlens[...] = qlens
         bound.total[...] = used.max()
         bound.sync()
+        t0 = time.perf_counter()
         try:
             self.session(attention).run_with_iobinding(bound.binding)
         except BaseException:
             used -= qlens
             raise
+        self.ort_seconds += time.perf_counter() - t0
         return bound
 
     def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +170,7 @@ class PortableLM:
         self.past_names = [names[f"past_{kv}"] % i for i in range(L) for kv in ("key", "value")]
         self.attn_names = [names["attn_weights"] % i for i in range(L)]
         self._bound: dict[tuple, tuple] = {}
+        self.ort_seconds = 0.0  # time inside onnxruntime's run_with_iobinding (decode steps)
 
     @property
     def has_attention(self) -> bool:
@@ -232,7 +234,9 @@ class PortableLM:
         pos[:, 0] = used
         if self._rebind:
             self._bind_inputs(binding, kv, n, ids, pos)
+        t0 = time.perf_counter()
         self.sessions[name].run_with_iobinding(binding)
+        self.ort_seconds += time.perf_counter() - t0
         kv.append(n, rows)
         attn = None
         if attention:

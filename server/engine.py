@@ -133,6 +133,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self.steps = 0
+        # tools (profilers, tracers): called as hook(run) around each loop iteration, where
+        # run() is the iteration itself; set before start() or between requests
+        self.iteration_hook: Callable[[Callable[[], None]], None] | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -220,7 +223,10 @@ class Engine:
                 admit = self._take_admissions()
                 self.metrics.queue_depth(len(self._waiting))
             try:
-                self._iteration(admit)
+                if self.iteration_hook is None:
+                    self._iteration(admit)
+                else:
+                    self.iteration_hook(lambda: self._iteration(admit))
             except Exception as e:  # never leave callers hanging: fail what is in flight
                 log.exception("engine iteration failed")
                 for seq in self.active + admit:
