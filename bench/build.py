@@ -160,16 +160,18 @@ def build_ckpt(hf: Path, out: Path) -> Path:
 
 
 def code_stamp() -> str:
-    """Fingerprint of the code an artifact is made by (model/, export/, artifact/): a change there makes
-    the cached artifacts stale."""
+    """Fingerprint of the code an artifact is made by (model/, export/, the artifact spec and
+    manifest): a change there makes the cached artifacts stale."""
     import hashlib
 
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
-    for pkg in ("model", "export", "artifact"):
-        for p in sorted((root / pkg).glob("*.py")):
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
+    # the artifact contract (spec, manifest) shapes what export writes; its runners do not
+    files = [p for pkg in ("model", "export") for p in sorted((root / pkg).glob("*.py"))]
+    files += [root / "artifact" / "spec.py", root / "artifact" / "manifest.py"]
+    for p in files:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
 
