@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 from kvserve.model.config import ModelConfig
 
-from .manifest import MANIFEST
+from .manifest import CONFIG, MANIFEST
 from .providers import check_optimized_for, choose_providers, device_of, session_options
 from .spec import FUSED_SMALL_INPUTS, fused_spec_from
 
@@ -232,7 +232,7 @@ class FusedLM:
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None):
         self.dir = Path(artifact_dir)
-        self.cfg = ModelConfig.load(self.dir / "config.json")
+        self.cfg = ModelConfig.load(self.dir / CONFIG)
         self.manifest = json.loads((self.dir / MANIFEST).read_text())
         runtime = self.manifest["runtime"]
         self.runtime = runtime

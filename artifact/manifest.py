@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+CONFIG = "config.json"  # the model config (kvserve.model.config.ModelConfig)
+TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 1
 
 

@@ -26,7 +26,7 @@ import onnxruntime as ort
 from kvserve.model.config import ModelConfig
 
 from .fused import Prefilled
-from .manifest import MANIFEST
+from .manifest import CONFIG, MANIFEST
 from .providers import check_optimized_for, choose_providers, session_options
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class PortableLM:
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None):
         self.dir = Path(artifact_dir)
-        self.cfg = ModelConfig.load(self.dir / "config.json")
+        self.cfg = ModelConfig.load(self.dir / CONFIG)
         self.manifest = json.loads((self.dir / MANIFEST).read_text())
         self.providers = choose_providers(provider, tf32)
         check_optimized_for(self.manifest, self.providers)

@@ -6,6 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
+from kvserve.artifact.manifest import MANIFEST
+
 from .pipeline import PRECISIONS, export_artifacts
 
 
@@ -58,7 +60,7 @@ def main(args) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"kvserve export: {e}", file=sys.stderr)
         return 2
-    m = json.loads((Path(out) / "manifest.json").read_text())
+    m = json.loads((Path(out) / MANIFEST).read_text())
     p = m["parity"]["fp32"]
     print(f"exported {out} ({m['kind']} graph, {m['precision']}): parity fp32 max |Δlogit| prefill "
           f"{p['max_abs_logit_prefill']:.2e}, decode {p['max_abs_logit_decode']:.2e} over "

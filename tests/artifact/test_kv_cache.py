@@ -4,12 +4,10 @@ compaction; chunked prefill; shrinking; and a new cache never inherits a stale b
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
-from export_matrix import LOGIT_TOL, THREADS
+from export_matrix import LOGIT_TOL
 
 from kvserve.artifact.fused import CAPACITY_CHUNK
-from kvserve.artifact.portable import PortableLM
 from kvserve.model.generate import generate
 
 STEPS = 210
@@ -19,15 +17,6 @@ PROMPT_LENGTHS = (5, 40, 17)  # the longest reaches 250 rows: one growth, 128 ->
 def _prompts(vocab: int) -> list[list[int]]:
     g = np.random.default_rng(7)
     return [g.integers(0, vocab, n).tolist() for n in PROMPT_LENGTHS]
-
-
-@pytest.fixture(scope="module", params=["fused", "portable"])
-def lm(request, main_lm, store):
-    if request.param == "fused":
-        assert main_lm.kind == "fused"
-        return main_lm
-    return PortableLM(store.artifact("llama", portable=True), provider="cpu", threads=THREADS,
-                      attention=False)
 
 
 def _start(lm, model, prompts):

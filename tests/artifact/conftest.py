@@ -1,0 +1,47 @@
+"""Fixtures for the runner tests: the export matrix's ``llama`` model (tests/export_matrix.py)
+exported once as a fused and once as a portable artifact, and a runner of each kind."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")  # the portable graphs are torch.onnx exports
+
+from export_matrix import MAIN, THREADS, make_model  # noqa: E402
+
+from kvserve.artifact.fused import FusedLM  # noqa: E402
+from kvserve.artifact.portable import PortableLM  # noqa: E402
+from kvserve.export.pipeline import export_artifacts  # noqa: E402
+from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _one_torch_thread():
+    """Tiny models: a second OpenMP thread only spins on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="package")
+def main_model():
+    return make_model(MAIN)
+
+
+@pytest.fixture(scope="package")
+def artifacts(tmp_path_factory, main_model) -> dict:
+    root = tmp_path_factory.mktemp("runners")
+    ckpt = save_checkpoint(root / "ckpt", main_model)
+    return {kind: export_artifacts(ckpt, root / kind, attention=False, portable=kind == "portable",
+                                   progress=False, threads=THREADS)
+            for kind in ("fused", "portable")}
+
+
+@pytest.fixture(scope="package", params=["fused", "portable"])
+def lm(request, artifacts):
+    cls = FusedLM if request.param == "fused" else PortableLM
+    return cls(artifacts[request.param], provider="cpu", threads=THREADS, attention=False)
