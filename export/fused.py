@@ -30,12 +30,26 @@ MS = "com.microsoft"
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention needs head_size % 16 == 0
 
 
+# options of imported model families that the fused graph does not build (yet): a model that
+# sets one is exported portable (the torch-exported graphs carry every option)
+_NOT_FUSED = {"rope_scaling": None, "rope_layers": None, "qk_norm": False, "embed_scale": None,
+              "norm_offset": 0.0, "sandwich_norm": False, "attn_scale": None,
+              "attn_softcap": None, "final_softcap": None, "sliding_window": None,
+              "sliding_layers": None}
+_FUSED_FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
+
+
 def unsupported(cfg: ModelConfig) -> list[str]:
     """Why ``cfg`` cannot be built as a fused graph (empty: it can)."""
     why = []
     if cfg.head_dim % GQA_HEAD_MULTIPLE:
         why.append(f"head_dim {cfg.head_dim} is not a multiple of {GQA_HEAD_MULTIPLE} "
                    f"(onnxruntime's GroupQueryAttention on CPU)")
+    if cfg.ffn not in _FUSED_FFNS:
+        why.append(f"ffn {cfg.ffn!r} is not built into the fused graph")
+    for name, default in _NOT_FUSED.items():
+        if getattr(cfg, name, default) != default:
+            why.append(f"{name} is not built into the fused graph")
     return why
 
 
