@@ -215,10 +215,11 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
                      stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                      ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                      return_logits: bool = False, attention_layers: Sequence[int] = (),
-                     attention_heads: Sequence[int] = (), request_id: str = ""
-                     ) -> pb.GenerateRequest:
+                     attention_heads: Sequence[int] = (), request_id: str = "",
+                     coalesce: bool = True) -> pb.GenerateRequest:
     """Build a ``GenerateRequest``. ``None`` leaves an optional field unset (the server's
-    default); ``max_new_tokens=0`` is the server default."""
+    default); ``max_new_tokens=0`` is the server default. ``coalesce``: tokens ready together
+    may share one message (the client unpacks them; an older server ignores it)."""
     s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty)
@@ -236,7 +237,8 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
         response=pb.ResponseOptions(logprobs=logprobs or top_logprobs > 0,
                                     top_logprobs=top_logprobs, return_logits=return_logits,
                                     attention=pb.AttentionOptions(layers=list(attention_layers),
-                                                                  heads=list(attention_heads))),
+                                                                  heads=list(attention_heads)),
+                                    coalesce=coalesce),
         request_id=request_id)
     if isinstance(prompt, str):
         r.text = prompt
@@ -399,6 +401,8 @@ class Client(_Base):
                     if msg.HasField("chunk"):
                         delivered = True
                         yield _token_event(msg.chunk, lp)
+                        for more in msg.more:
+                            yield _token_event(more, lp)
                     else:
                         delivered = True
                         yield _completion(msg.complete)
@@ -498,6 +502,8 @@ class AsyncClient(_Base):
                     delivered = True
                     if msg.HasField("chunk"):
                         yield _token_event(msg.chunk, lp)
+                        for more in msg.more:
+                            yield _token_event(more, lp)
                     else:
                         yield _completion(msg.complete)
                 return

@@ -22,6 +22,8 @@ from .domain import (FinishEvent, FinishReason, GenerateRequest, InvalidArgument
 
 log = logging.getLogger(__name__)
 
+_COALESCE_MAX = 64  # tokens in one coalesced Generate message
+
 MAX_TOKENIZE_TEXTS = 1024
 
 _FINISH = {
@@ -153,15 +155,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             _abort(context, e)
         context.add_callback(handle.cancel)  # client gone / deadline: free the slot
         rid = handle.request_id
+        coalesce = request.response.coalesce
+        held = None  # an event taken while coalescing, handled next
         while True:
             try:
-                ev = handle.events.get(timeout=1.0)
+                ev = held or handle.events.get(timeout=1.0)
+                held = None
             except queue.Empty:
                 if not context.is_active():
                     handle.cancel()
                 continue
             if isinstance(ev, TokenEvent):
-                yield self._chunk(ev)
+                msg = self._chunk(ev)
+                while coalesce and len(msg.more) < _COALESCE_MAX:
+                    try:  # tokens that are ready already ride along
+                        nxt = handle.events.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not isinstance(nxt, TokenEvent):
+                        held = nxt
+                        break
+                    msg.more.append(self._chunk(nxt).chunk)
+                yield msg
                 continue
             assert isinstance(ev, FinishEvent)
             if ev.reason is FinishReason.TIME_LIMIT:

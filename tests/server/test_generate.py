@@ -263,3 +263,23 @@ def test_request_id_is_echoed(stub):
     r.request_id = "client-req-42"
     _, done = collect(stub.Generate(r))
     assert done.request_id == "client-req-42"
+
+
+def test_coalesced_stream_carries_every_token_once(stub, artifact):
+    """ResponseOptions.coalesce: a reader that lags gets the ready tokens in fewer messages
+    (GenerateResponse.more), the same tokens in the same order; without it, one per message."""
+    import time
+
+    plain = list(stub.Generate(gen_request(PROMPTS[3], 48, logprobs=True)))
+    assert all(len(m.more) == 0 for m in plain)
+    want = [m.chunk for m in plain if m.HasField("chunk")]
+    msgs = []
+    for m in stub.Generate(gen_request(PROMPTS[3], 48, logprobs=True, coalesce=True)):
+        if not msgs:
+            time.sleep(0.5)  # the first message waits: the engine runs ahead
+        msgs.append(m)
+    got = [c for m in msgs if m.HasField("chunk") for c in (m.chunk, *m.more)]
+    assert [(c.index, c.id, c.text) for c in got] == [(c.index, c.id, c.text) for c in want]
+    assert [c.logprob for c in got] == pytest.approx([c.logprob for c in want], abs=1e-5)
+    assert msgs[-1].HasField("complete") and len(msgs) < len(plain)
+    assert any(len(m.more) > 0 for m in msgs)
