@@ -59,7 +59,6 @@ TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first po
 PLAIN, ASKED = "plain", "attention"
 LABELS = {PLAIN: "plain graph (attention not asked)",
           ASKED: "attention graph (attention asked)"}
-PREFILL_FLOATS = 8_000_000  # logits floats per prefill chunk (as the server's default)
 
 
 def machine_info(threads: int) -> dict:
@@ -95,9 +94,12 @@ def build_artifact(workdir: Path, preset: str, threads: int, seed: int) -> Path:
 
 def filled_cache(lm, batch: int, position: int, prompt: np.ndarray):
     """A cache of ``batch`` slots, each holding ``prompt[:position]``: one sequence prefilled
-    (in chunks whose logits stay under ``PREFILL_FLOATS``), then copied to the other slots."""
+    (in chunks whose logits stay under the server's ``score_chunk_floats``, as the engine
+    prefills), then copied to the other slots."""
+    from kvserve.server.config import ServerConfig
+
     cache = lm.new_cache(batch, capacity=position + 1)
-    chunk = max(1, PREFILL_FLOATS // lm.cfg.vocab_size)
+    chunk = max(1, ServerConfig().score_chunk_floats // lm.cfg.vocab_size)
     ids = [int(t) for t in prompt[:position]]
     lm.prefill(cache, 0, [ids[:chunk]])
     for a in range(chunk, position, chunk):
@@ -380,8 +382,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "warmup", "block", "profile_steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")
-    if min(args.batch) < 1 or min(args.positions) < 1:
-        ap.error("--batch and --positions must be >= 1")
+    for name in ("steps", "warmup", "block", "profile_steps"):
+        if getattr(args, name) > 100_000:
+            ap.error(f"--{name.replace('_', '-')} must be <= 100000")
+    if not all(1 <= b <= 256 for b in args.batch):
+        ap.error("--batch must be between 1 and 256")
+    if min(args.positions) < 1:
+        ap.error("--positions must be >= 1")
     return args
 
 
@@ -404,13 +411,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.artifact:
                 shutil.copytree(art, args.artifact)
                 art = Path(args.artifact)
+        cfg = ModelConfig.load(art / "config.json")
+        if positions[-1] >= cfg.max_seq_len:
+            raise SystemExit(f"decode_cost: position {positions[-1]} does not fit the model "
+                             f"(max_seq_len {cfg.max_seq_len})")
         t0 = time.perf_counter()
         rows, kind = measure(art, batches, positions, args.steps, args.warmup, args.block,
                              threads, args.seed, attention=not args.no_attention)
         elapsed = time.perf_counter() - t0
         prof = profile_ops(art, batches, [positions[0], positions[-1]], threads,
                            args.profile_steps, args.seed) if args.profile else None
-        cfg = ModelConfig.load(art / "config.json")
     info["loadavg_end"] = list(os.getloadavg())
     rat = ratios(rows, batches, positions)
     result = {
