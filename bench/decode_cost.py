@@ -1,29 +1,38 @@
 """Decode step cost against position, and what attention diagnostics cost (a script).
 
-    python bench/decode_cost.py [--threads N] [--steps 200] [--out bench/results/decode_cost.json]
+    python bench/decode_cost.py [--preset small | --artifact DIR] [--batch 1 16]
+                                [--threads N] [--steps 200] [--profile] [--out DIR]
     python -m kvserve.bench.decode_cost ...   (the same)
 
-The export issue asks for two things, measured here on a random-init ``small`` preset model
-exported with ``export_artifacts`` (attention graphs included), through the server's path
-(``OnnxLM.decode`` + ``KVBuffers``) at batch 1:
+Measured through the server's path (the artifact's runner from ``kvserve.artifact.load_lm``,
+its KV cache, ``decode``) on a random-init model of ``--preset`` exported with
+``export_artifacts`` (attention diagnostics included), or on ``--artifact``:
 
-1. step time at position 1000 <= 1.3x step time at position 16;
-2. requests that don't ask for attention weights pay nothing: the plain decode step is timed
-   with an artifact loaded without the attention graphs AND with them loaded, next to the
-   ``decode_attn`` step that does return them.
+1. step time against position, per batch size: the targets are step(1000) / step(16) <= 1.15
+   at batch 1 and <= 1.5 at batch 16 (on the bench-100m model: ``--preset bench-100m``);
+2. what attention diagnostics cost: the plain graph's step next to the step of the graph that
+   returns attention weights (fused artifacts: GroupQueryAttention's ``qk_output`` variant).
+   A request that does not ask runs the plain graph, on a runner that never loaded the
+   diagnostics graph (a fused runner loads it lazily, on the first request that asks), so
+   "not asked" is the plain cells.
 
-Each timed step runs at exactly its position: after a step the slot is rewound by one row
-(``used -= 1`` and its mask column cleared), so all ``--steps`` samples of a cell see the same
-past length. Cells are interleaved in rounds of ``--block`` steps so that machine noise (other
-processes on a shared box) spreads over all of them instead of biasing one. Per-step Python
-overhead is the time of ``OnnxLM.decode`` outside ``run_with_iobinding``.
+Every slot of a batch sits at the same position (one sequence prefilled, then copied to the
+other slots with the cache's ``move``). Each timed step runs at exactly its position: after a
+step every slot is rewound by one token (``cache.used[b] -= 1``), so all ``--steps`` samples
+of a cell see the same past. Cells are interleaved in rounds of ``--block`` steps (the first
+step of each round untimed: switching caches rebuilds the runner's IO binding) so that machine
+noise spreads over all of them instead of biasing one. The Python overhead of a step is its
+call time minus the time inside onnxruntime (the runner's ``ort_seconds``).
 
-Note on the design: ``KVBuffers`` capacity is rounded up to 128 rows, and the decode graph
-attends over the whole buffer (masked), so at position 16 the attention already spans 129
-columns and at position 1000 it spans 1025.
+Attention columns: a fused step attends over each slot's own rows (position + 1); the portable
+decode graph attends over the whole buffer (its capacity, rounded up to 128 rows, + 1).
 
-``--profile`` adds onnxruntime's per-operator profile of the plain decode step at the first
-and last position (where the extra time at long positions goes).
+``--profile`` adds onnxruntime's per-operator profile of the plain step at the first and last
+position (session options with ``enable_profiling``, passed to ``load_lm``).
+
+Results (``decode_cost.json`` and ``decode_cost.md``) go to ``--out`` (a directory, or a
+``.json`` file path); by default a fresh directory under ``.bench/decode_cost/``. The committed
+figures in ``bench/results/`` are only written when ``--out`` names them.
 """
 from __future__ import annotations
 
@@ -44,15 +53,16 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 
 import numpy as np  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "bench" / "results" / "decode_cost.json"
-TARGET_RATIO = 1.3
+from kvserve.bench.common import CACHE, cpu_model  # noqa: E402
+
+TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
+PLAIN, ASKED = "plain", "attention"
+LABELS = {PLAIN: "plain graph (attention not asked)",
+          ASKED: "attention graph (attention asked)"}
 
 
 def machine_info(threads: int) -> dict:
     import onnxruntime as ort
-
-    from kvserve.bench.main import cpu_model
 
     return {"cpu_model": cpu_model(), "cores": os.cpu_count(),
             "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -82,80 +92,99 @@ def build_artifact(workdir: Path, preset: str, threads: int, seed: int) -> Path:
     return out
 
 
-class TimedRun:
-    """Wraps a session's run_with_iobinding to time it (the rest of decode is overhead)."""
+def filled_cache(lm, batch: int, position: int, prompt: np.ndarray):
+    """A cache of ``batch`` slots, each holding ``prompt[:position]``: one sequence prefilled
+    (in chunks whose logits stay under the server's ``score_chunk_floats``, as the engine
+    prefills), then copied to the other slots."""
+    from kvserve.server.config import ServerConfig
 
-    def __init__(self, session):
-        self.inner = session.run_with_iobinding
-        self.last = 0.0
-        session.run_with_iobinding = self
+    cache = lm.new_cache(batch, capacity=position + 1)
+    chunk = max(1, ServerConfig().score_chunk_floats // lm.cfg.vocab_size)
+    ids = [int(t) for t in prompt[:position]]
+    lm.prefill(cache, 0, [ids[:chunk]])
+    for a in range(chunk, position, chunk):
+        lm.extend(cache, 0, ids[a:a + chunk])
+    for b in range(1, batch):
+        cache.move(0, b)
+    return cache
 
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        out = self.inner(*args, **kwargs)
-        self.last = time.perf_counter() - t0
-        return out
+
+def rewind(cache, n: int) -> None:
+    """Slots [0, n) forget their last token (the step just timed)."""
+    cache.used[:n] -= 1
+    mask = getattr(cache, "mask", None)  # the portable cache's attention mask marks rows too
+    if mask is not None:
+        mask[np.arange(n), cache.used[:n]] = 0
 
 
 class Cell:
-    """One (runtime, graph, position) measurement with its own KV buffers at batch 1."""
+    """One (graph, batch, position) measurement: slots [0, batch) of a cache whose slots all
+    sit at ``position`` (cells of the same graph and position share it: each step rewinds)."""
 
-    def __init__(self, label: str, lm, attention: bool, position: int, prompt: np.ndarray):
-        from kvserve.server.runtime import KVBuffers
-
-        self.label, self.lm, self.attention, self.position = label, lm, attention, position
-        ids = prompt[None, :position]
-        pre = lm.prefill(ids, np.ones_like(ids))
-        self.kv = KVBuffers(lm.cfg, 1)
-        self.kv.load_prompt(0, pre.present, 0, position)
-        self.kv.ensure_capacity(position + 1)
-        self.token = np.array([int(prompt[position])], dtype=np.int64)
-        self.pos = np.array([position], dtype=np.int64)
-        name = "decode_attn" if attention else "decode"
-        sess = lm.sessions[name]
-        self.timer = sess.run_with_iobinding if isinstance(sess.run_with_iobinding, TimedRun) \
-            else TimedRun(sess)
+    def __init__(self, graph: str, lm, cache, batch: int, position: int, token: int):
+        self.graph, self.lm, self.cache = graph, lm, cache
+        self.batch, self.position = batch, position
+        self.attention = graph == ASKED
+        self.tokens = np.full(batch, token, np.int64)
         self.total: list[float] = []
-        self.run: list[float] = []
+        self.ort: list[float] = []
 
     def step(self, record: bool) -> None:
+        lm = self.lm
+        ort0 = lm.ort_seconds
         t0 = time.perf_counter()
-        self.lm.decode(self.kv, 1, self.token, self.pos, attention=self.attention)
+        lm.decode(self.cache, self.batch, self.tokens, attention=self.attention)
         dt = time.perf_counter() - t0
-        kv = self.kv  # rewind: the next step runs at the same position again
-        kv.used[0] -= 1
-        kv.mask[0, kv.used[0]] = 0
+        inside = lm.ort_seconds - ort0
+        rewind(self.cache, self.batch)  # the next step runs at the same position again
         if record:
             self.total.append(dt)
-            self.run.append(self.timer.last)
+            self.ort.append(inside)
+
+    def attention_columns(self) -> int:
+        if self.lm.kind == "portable":  # the decode graph reads the whole buffer
+            return self.cache.capacity + 1
+        return self.position + 1
 
     def summary(self) -> dict:
-        tot, run = np.array(self.total), np.array(self.run)
-        over = tot - run
-        return {"label": self.label, "position": self.position,
-                "attention_columns": self.kv.capacity + 1, "steps": len(tot),
+        tot, ort = np.array(self.total), np.array(self.ort)
+        over = tot - ort
+        return {"graph": self.graph, "label": LABELS[self.graph], "batch": self.batch,
+                "position": self.position, "attention_columns": self.attention_columns(),
+                "steps": len(tot),
                 "median_ms": 1e3 * float(np.median(tot)),
                 "p10_ms": 1e3 * float(np.percentile(tot, 10)),
                 "p90_ms": 1e3 * float(np.percentile(tot, 90)),
                 "min_ms": 1e3 * float(tot.min()),
-                "median_run_ms": 1e3 * float(np.median(run)),
+                "median_ort_ms": 1e3 * float(np.median(ort)),
                 "median_python_overhead_us": 1e6 * float(np.median(over)),
                 "python_overhead_share": float(np.median(over / tot))}
 
 
-def measure(art: Path, positions: list[int], steps: int, warmup: int, block: int,
-            threads: int, seed: int) -> list[dict]:
-    from kvserve.server.runtime import OnnxLM
+def runners(art: Path, threads: int, attention: bool) -> dict:
+    """graph -> runner: the plain one never loads the diagnostics graph."""
+    from kvserve.artifact.loader import load_lm
 
-    plain = OnnxLM(art, provider="cpu", threads=threads, attention=False)
-    loaded = OnnxLM(art, provider="cpu", threads=threads, attention=True)
-    assert not plain.has_attention and loaded.has_attention
-    prompt = np.random.default_rng(seed).integers(0, plain.cfg.vocab_size, max(positions) + 1)
-    cells = []
-    for p in positions:
-        cells += [Cell("decode (attention graphs not loaded)", plain, False, p, prompt),
-                  Cell("decode (attention graphs loaded, not asked)", loaded, False, p, prompt),
-                  Cell("decode_attn (attention asked)", loaded, True, p, prompt)]
+    out = {PLAIN: load_lm(art, provider="cpu", threads=threads, attention=False)}
+    if attention:
+        diag = load_lm(art, provider="cpu", threads=threads, attention=True)
+        if diag.has_attention:
+            out[ASKED] = diag
+        else:
+            print("this artifact has no attention-diagnostics graph: measuring the plain graph "
+                  "only", file=sys.stderr)
+    return out
+
+
+def measure(art: Path, batches: list[int], positions: list[int], steps: int, warmup: int,
+            block: int, threads: int, seed: int, attention: bool = True) -> tuple[list, str]:
+    lms = runners(art, threads, attention)
+    vocab = lms[PLAIN].cfg.vocab_size
+    prompt = np.random.default_rng(seed).integers(2, vocab, max(positions) + 1)
+    caches = {(g, p): filled_cache(lm, max(batches), p, prompt) for g, lm in lms.items()
+              for p in positions}
+    cells = [Cell(g, lm, caches[(g, p)], b, p, int(prompt[p])) for b in batches
+             for p in positions for g, lm in lms.items()]
     for c in cells:
         for _ in range(warmup):
             c.step(record=False)
@@ -163,186 +192,256 @@ def measure(art: Path, positions: list[int], steps: int, warmup: int, block: int
     for r in range(rounds):
         order = cells if r % 2 == 0 else cells[::-1]
         for c in order:
-            for _ in range(block):
+            c.step(record=False)  # a new cache for the runner: its binding is rebuilt here
+            for _ in range(min(block, steps - r * block)):
                 c.step(record=True)
-    return [c.summary() for c in cells]
+    return [c.summary() for c in cells], lms[PLAIN].kind
 
 
-def profile_ops(art: Path, positions: list[int], threads: int, steps: int, seed: int) -> dict:
-    """onnxruntime's profiler over the plain decode step at each position: median ms per step
-    per operator type. The profiler's own per-node cost inflates these figures; compare them
-    across positions, not with the unprofiled step times."""
-    import kvserve.server.runtime as rt
-
-    base = rt.session_options
-
-    def with_profiling(threads=None):
-        so = base(threads)
-        so.enable_profiling = True
-        so.profile_file_prefix = str(Path(tempfile.gettempdir()) / "decode_cost_prof")
-        return so
+def profile_ops(art: Path, batches: list[int], positions: list[int], threads: int,
+                steps: int, seed: int) -> dict:
+    """onnxruntime's profiler over the plain decode step at each (batch, position): median ms
+    per step per operator type. The profiler's own per-node cost inflates these figures;
+    compare them across positions, not with the unprofiled step times."""
+    from kvserve.artifact.loader import load_lm
+    from kvserve.artifact.providers import session_options
 
     out = {}
-    rt.session_options = with_profiling
-    try:
-        for p in positions:
-            lm = rt.OnnxLM(art, provider="cpu", threads=threads, attention=False)
-            prompt = np.random.default_rng(seed).integers(0, lm.cfg.vocab_size, p + 1)
-            cell = Cell("profile", lm, False, p, prompt)
-            for _ in range(steps):
-                cell.step(record=True)
-            path = lm.sessions["decode"].end_profiling()
-            events = json.loads(Path(path).read_text())
-            Path(path).unlink()
-            for name, sess in lm.sessions.items():
-                if name != "decode":
-                    Path(sess.end_profiling()).unlink(missing_ok=True)
-            runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                          if e.get("cat") == "Session" and e.get("name") == "model_run")
-            per_run: list[dict[str, float]] = [{} for _ in runs]
-            starts = [r[0] for r in runs]
-            for e in events:
-                if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-                    i = int(np.searchsorted(starts, e["ts"], side="right")) - 1
-                    if i >= 0:
-                        op = e.get("args", {}).get("op_name", "?")
-                        per_run[i][op] = per_run[i].get(op, 0.0) + e["dur"] / 1e3
-            ops = set().union(*per_run)
-            per_op = {op: float(np.median([r.get(op, 0.0) for r in per_run])) for op in ops}
-            out[str(p)] = dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
-    finally:
-        rt.session_options = base
+    with tempfile.TemporaryDirectory(prefix="decode_cost_prof-") as tmp:
+        for b in batches:
+            for p in positions:
+                so = session_options(threads)
+                so.enable_profiling = True
+                so.profile_file_prefix = str(Path(tmp) / f"b{b}-p{p}")
+                lm = load_lm(art, provider="cpu", threads=threads, attention=False, options=so)
+                prompt = np.random.default_rng(seed).integers(2, lm.cfg.vocab_size, p + 1)
+                cell = Cell(PLAIN, lm, filled_cache(lm, b, p, prompt), b, p, int(prompt[p]))
+                for _ in range(steps):
+                    cell.step(record=True)
+                sessions = [lm.session(False)] if lm.kind == "fused" else \
+                    [lm.sessions["decode"]]
+                events = []
+                for sess in sessions:
+                    events += json.loads(Path(sess.end_profiling()).read_text())
+                out[f"b{b}@{p}"] = _per_op(events, steps)
+                del cell, lm
     return out
 
 
+def _per_op(events: list[dict], steps: int) -> dict[str, float]:
+    """Median ms per run by operator type over the last ``steps`` runs (the decode steps; the
+    runs before them filled the cache)."""
+    runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                  if e.get("cat") == "Session" and e.get("name") == "model_run")[-steps:]
+    per_run: list[dict[str, float]] = [{} for _ in runs]
+    starts = [r[0] for r in runs]
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            i = int(np.searchsorted(starts, e["ts"], side="right")) - 1
+            if i >= 0 and e["ts"] <= runs[i][1]:
+                op = e.get("args", {}).get("op_name", "?")
+                per_run[i][op] = per_run[i].get(op, 0.0) + e["dur"] / 1e3
+    ops = set().union(*per_run) if per_run else set()
+    per_op = {op: float(np.median([r.get(op, 0.0) for r in per_run])) for op in ops}
+    return dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
+
+
 def arithmetic(cfg, rows: list[dict], positions: list[int]) -> dict:
-    """Multiply-accumulates per decode step at batch 1: the weights' (fixed) and attention's
+    """Multiply-accumulates per decode step and sequence: the weights' (fixed) and attention's
     (2 * layers * heads * head_dim per attended column: QK^T and PV). Their ratio bounds the
     step-time ratio for any implementation that runs both at the same efficiency."""
     d, hd, H, Hkv = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     ffn = d * 2 * cfg.d_ff + cfg.d_ff * d if cfg.ffn == "swiglu" else 2 * d * cfg.d_ff
     weights = cfg.n_layers * (d * (H + 2 * Hkv) * hd + H * hd * d + ffn) + d * cfg.vocab_size
     cols = {r["position"]: r["attention_columns"] for r in rows}
-    attn = {p: 2 * cfg.n_layers * H * hd * cols[p] for p in positions}
+    per_col = 2 * cfg.n_layers * H * hd
+    attn = {p: per_col * cols[p] for p in positions}
     lo, hi = positions[0], positions[-1]
     return {"weight_macs": weights, "attention_macs": {str(p): attn[p] for p in positions},
-            f"mac_ratio_{hi}_{lo}": (weights + attn[hi]) / (weights + attn[lo]),
-            f"mac_ratio_{hi}_{lo}_unpadded": (weights + 2 * cfg.n_layers * H * hd * (hi + 1))
-            / (weights + 2 * cfg.n_layers * H * hd * (lo + 1))}
+            "mac_ratio": (weights + attn[hi]) / (weights + attn[lo]),
+            "mac_ratio_unpadded": (weights + per_col * (hi + 1)) / (weights + per_col * (lo + 1))}
 
 
-def markdown(rows: list[dict], positions: list[int]) -> str:
-    lines = ["| graph / runtime | position | attention columns | median ms/step | p10-p90 ms | "
-             "run_with_iobinding ms | Python overhead µs (share) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted(rows, key=lambda r: (r["label"], r["position"])):
-        lines.append(f"| {r['label']} | {r['position']} | {r['attention_columns']} | "
-                     f"{r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | "
-                     f"{r['median_run_ms']:.3f} | {r['median_python_overhead_us']:.0f} "
-                     f"({r['python_overhead_share']:.0%}) |")
-    return "\n".join(lines)
-
-
-def ratios(rows: list[dict], positions: list[int]) -> dict:
-    by = {(r["label"], r["position"]): r["median_ms"] for r in rows}
-    best = {(r["label"], r["position"]): r["min_ms"] for r in rows}
+def ratios(rows: list[dict], batches: list[int], positions: list[int]) -> dict:
+    """Per batch: step(last) / step(first) position per graph (medians and fastest steps), and
+    attention asked / not asked per position."""
+    med = {(r["graph"], r["batch"], r["position"]): r["median_ms"] for r in rows}
+    best = {(r["graph"], r["batch"], r["position"]): r["min_ms"] for r in rows}
+    graphs = list(dict.fromkeys(r["graph"] for r in rows))
     lo, hi = positions[0], positions[-1]
     out = {}
-    for label in dict.fromkeys(r["label"] for r in rows):
-        out[f"{label}: {hi}/{lo}"] = by[(label, hi)] / by[(label, lo)]
-        out[f"{label}: {hi}/{lo} (fastest steps)"] = best[(label, hi)] / best[(label, lo)]
-    plain = "decode (attention graphs not loaded)"
-    loaded = "decode (attention graphs loaded, not asked)"
-    asked = "decode_attn (attention asked)"
-    for p in positions:
-        out[f"loaded-not-asked / not-loaded @ {p}"] = by[(loaded, p)] / by[(plain, p)]
-        out[f"attention asked / not asked @ {p}"] = by[(asked, p)] / by[(loaded, p)]
+    for b in batches:
+        d = {}
+        for g in graphs:
+            d[f"{g}: step({hi}) / step({lo})"] = med[(g, b, hi)] / med[(g, b, lo)]
+            d[f"{g}: step({hi}) / step({lo}), fastest steps"] = \
+                best[(g, b, hi)] / best[(g, b, lo)]
+        if ASKED in graphs:
+            for p in positions:
+                d[f"attention asked / not asked @ {p}"] = med[(ASKED, b, p)] / \
+                    med[(PLAIN, b, p)]
+        out[f"batch {b}"] = d
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def targets(rat: dict, batches: list[int], positions: list[int]) -> dict:
+    lo, hi = positions[0], positions[-1]
+    out = {}
+    for b in batches:
+        r = rat[f"batch {b}"][f"{PLAIN}: step({hi}) / step({lo})"]
+        goal = TARGETS.get(b)
+        out[f"batch {b}"] = {"ratio": r, "positions": [lo, hi], "ratio_max": goal,
+                             "met": None if goal is None else r <= goal,
+                             "applies": goal is not None and (lo, hi) == (16, 1000)}
+    return out
+
+
+def markdown(result: dict) -> str:
+    info, rows, positions = result["machine"], result["cells"], result["positions"]
+    lo, hi = positions[0], positions[-1]
+    L = [f"## Decode step cost, {result['model']} ({result['runtime']} runner)", "",
+         f"{info['cpu_model']}, {info['cores']} cores, onnxruntime {info['onnxruntime']}, "
+         f"{info['intra_op_threads']} intra-op threads; load average "
+         f"{info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}; "
+         f"{result['steps']} timed steps per cell.", "",
+         "| graph | batch | position | attention columns | median ms/step | p10-p90 ms | "
+         "inside onnxruntime ms | Python overhead µs (share) |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["graph"], r["batch"], r["position"])):
+        L.append(f"| {r['label']} | {r['batch']} | {r['position']} | {r['attention_columns']} "
+                 f"| {r['median_ms']:.3f} | {r['p10_ms']:.3f}-{r['p90_ms']:.3f} | "
+                 f"{r['median_ort_ms']:.3f} | {r['median_python_overhead_us']:.0f} "
+                 f"({r['python_overhead_share']:.0%}) |")
+    L.append("")
+    for batch, d in result["ratios"].items():
+        L += [f"- {batch}: " + "; ".join(f"{k} {v:.3f}" for k, v in d.items())]
+    L.append("")
+    for batch, t in result["target"].items():
+        goal = "no target" if t["ratio_max"] is None else \
+            f"target <= {t['ratio_max']}: {'met' if t['met'] else 'NOT met'}" + \
+            ("" if t["applies"] else f" (the target is for positions 16 -> 1000)")
+        L.append(f"- {batch}: plain step({hi}) / step({lo}) = {t['ratio']:.3f} ({goal})")
+    a = result["arithmetic"]
+    L += ["", f"Arithmetic per sequence: {a['weight_macs'] / 1e6:.2f} M weight MACs per step "
+          f"+ attention {a['attention_macs'][str(lo)] / 1e6:.2f} M @{lo} / "
+          f"{a['attention_macs'][str(hi)] / 1e6:.2f} M @{hi}: MAC ratio {a['mac_ratio']:.3f} "
+          f"(attending only over the sequence's tokens: {a['mac_ratio_unpadded']:.3f})."]
+    prof = result.get("profile_ms_per_step_by_op")
+    if prof:
+        L += ["", "ms/step by operator (plain graph, onnxruntime profiler: inflated, compare "
+              "columns):", ""]
+        ops = sorted(set().union(*[set(v) for v in prof.values()]),
+                     key=lambda op: -max(v.get(op, 0.0) for v in prof.values()))
+        keys = list(prof)
+        L += ["| op | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+        for op in ops[:12]:
+            L.append(f"| {op} | " + " | ".join(f"{prof[k].get(op, 0.0):.4f}" for k in keys)
+                     + " |")
+    return "\n".join(L) + "\n"
+
+
+def output_paths(out: str | None) -> tuple[Path, Path]:
+    """(json, markdown) paths: ``out`` a .json file or a directory; by default a fresh
+    directory under .bench/decode_cost/."""
+    if out is None:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+        base = CACHE / "decode_cost"
+        base.mkdir(parents=True, exist_ok=True)
+        d = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=base))
+        return d / "decode_cost.json", d / "decode_cost.md"
+    p = Path(out)
+    if p.suffix == ".json":
+        return p, p.with_suffix(".md")
+    return p / "decode_cost.json", p / "decode_cost.md"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="small", help="model preset exported (random init) "
+                    "when no --artifact is given (bench-100m: the targets' model)")
+    ap.add_argument("--artifact", default=None, help="artifact directory: reused if it "
+                    "exists, else the preset is exported there and kept (default: export "
+                    "into a temporary directory)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--positions", type=int, nargs="+", default=[16, 256, 1000])
     ap.add_argument("--steps", type=int, default=200, help="timed steps per cell")
     ap.add_argument("--warmup", type=int, default=20, help="untimed steps per cell")
     ap.add_argument("--block", type=int, default=20, help="steps per cell per round")
     ap.add_argument("--threads", type=int, default=None,
                     help="onnxruntime intra-op threads (default: the runtime's own choice)")
-    ap.add_argument("--artifact", default=None, help="artifact directory (with the attention "
-                    "graphs): reused if it exists, else exported there and kept (default: "
-                    "export into a temporary directory)")
+    ap.add_argument("--no-attention", action="store_true",
+                    help="time the plain graph only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", action="store_true",
-                    help="also profile the plain decode step per operator at the first and "
-                         "last position")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+                    help="also profile the plain step per operator at the first and last "
+                         "position, each batch")
+    ap.add_argument("--profile-steps", type=int, default=200)
+    ap.add_argument("--out", default=None, help="results directory (or .json file path); "
+                    "default: a fresh directory under .bench/decode_cost/")
     args = ap.parse_args(argv)
-    positions = sorted(args.positions)
+    for name in ("steps", "warmup", "block", "profile_steps"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            ap.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("steps", "warmup", "block", "profile_steps"):
+        if getattr(args, name) > 100_000:
+            ap.error(f"--{name.replace('_', '-')} must be <= 100000")
+    if not all(1 <= b <= 256 for b in args.batch):
+        ap.error("--batch must be between 1 and 256")
+    if min(args.positions) < 1:
+        ap.error("--positions must be >= 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    positions, batches = sorted(set(args.positions)), sorted(set(args.batch))
+
+    from kvserve.artifact.providers import session_options
     from kvserve.model.config import ModelConfig
-    from kvserve.server.runtime import session_options
 
     threads = args.threads or session_options(None).intra_op_num_threads
     info = machine_info(threads)
     with tempfile.TemporaryDirectory(prefix="decode_cost-") as tmp:
+        preset = None
         if args.artifact and (Path(args.artifact) / "manifest.json").is_file():
-            art = Path(args.artifact)
+            art, model = Path(args.artifact), str(args.artifact)
         else:
-            art = build_artifact(Path(tmp), args.preset, threads, args.seed)
+            preset, model = args.preset, f"`{args.preset}` preset (random init)"
+            art = build_artifact(Path(tmp), preset, threads, args.seed)
             if args.artifact:
                 shutil.copytree(art, args.artifact)
                 art = Path(args.artifact)
+        cfg = ModelConfig.load(art / "config.json")
+        if positions[-1] >= cfg.max_seq_len:
+            raise SystemExit(f"decode_cost: position {positions[-1]} does not fit the model "
+                             f"(max_seq_len {cfg.max_seq_len})")
         t0 = time.perf_counter()
-        rows = measure(art, positions, args.steps, args.warmup, args.block, threads, args.seed)
+        rows, kind = measure(art, batches, positions, args.steps, args.warmup, args.block,
+                             threads, args.seed, attention=not args.no_attention)
         elapsed = time.perf_counter() - t0
-        prof = profile_ops(art, [positions[0], positions[-1]], threads, 200, args.seed) \
-            if args.profile else None
-        arith = arithmetic(ModelConfig.load(art / "config.json"), rows, positions)
+        prof = profile_ops(art, batches, [positions[0], positions[-1]], threads,
+                           args.profile_steps, args.seed) if args.profile else None
     info["loadavg_end"] = list(os.getloadavg())
-    rat = ratios(rows, positions)
-    plain_ratio = rat[f"decode (attention graphs not loaded): {positions[-1]}/{positions[0]}"]
+    rat = ratios(rows, batches, positions)
     result = {
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "preset": args.preset, "batch": 1, "positions": positions, "steps": args.steps,
+        "model": model, "preset": preset, "runtime": kind,
+        "batches": batches, "positions": positions, "steps": args.steps,
         "warmup": args.warmup, "block": args.block, "machine": info,
-        "measure_seconds": elapsed, "cells": rows, "ratios": rat, "arithmetic": arith,
-        "target": {"ratio_max": TARGET_RATIO, "ratio": plain_ratio,
-                   "met": plain_ratio <= TARGET_RATIO},
+        "measure_seconds": elapsed, "cells": rows, "ratios": rat,
+        "arithmetic": arithmetic(cfg, [r for r in rows if r["batch"] == batches[0]
+                                       and r["graph"] == PLAIN], positions),
+        "target": targets(rat, batches, positions),
     }
     if prof is not None:
         result["profile_ms_per_step_by_op"] = prof
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-
-    print(f"## Decode step cost, `{args.preset}` preset, batch 1\n")
-    print(f"{info['cpu_model']}, {info['cores']} cores, onnxruntime {info['onnxruntime']}, "
-          f"{threads} intra-op threads; load average {info['loadavg_start'][0]:.2f} -> "
-          f"{info['loadavg_end'][0]:.2f}\n")
-    print(markdown(rows, positions))
-    print()
-    for k, v in rat.items():
-        print(f"- {k}: {v:.3f}")
-    print(f"\nstep({positions[-1]}) / step({positions[0]}) = {plain_ratio:.3f} "
-          f"(target <= {TARGET_RATIO}): {'met' if plain_ratio <= TARGET_RATIO else 'NOT met'}")
-    lo, hi = positions[0], positions[-1]
-    print(f"arithmetic: {arith['weight_macs'] / 1e6:.2f} M weight MACs per step + attention "
-          f"{arith['attention_macs'][str(lo)] / 1e6:.2f} M @{lo} / "
-          f"{arith['attention_macs'][str(hi)] / 1e6:.2f} M @{hi}: MAC ratio "
-          f"{arith[f'mac_ratio_{hi}_{lo}']:.3f} (without the 128-row rounding: "
-          f"{arith[f'mac_ratio_{hi}_{lo}_unpadded']:.3f})")
-    if prof is not None:
-        print("\nms/step by operator (plain decode, onnxruntime profiler: inflated, compare "
-              "columns):\n")
-        ops = sorted(set().union(*[set(v) for v in prof.values()]),
-                     key=lambda op: -max(v.get(op, 0.0) for v in prof.values()))
-        keys = list(prof)
-        print("| op | " + " | ".join(f"@{k}" for k in keys) + " |")
-        print("|---|" + "---:|" * len(keys))
-        for op in ops[:12]:
-            print(f"| {op} | " + " | ".join(f"{prof[k].get(op, 0.0):.4f}" for k in keys) + " |")
-    print(f"\nwritten {out}")
+    out_json, out_md = output_paths(args.out)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    out_md.write_text(text)
+    print(text)
+    print(f"written {out_json} and {out_md.name}")
     return 0
 
 

@@ -14,16 +14,13 @@ import datetime as _dt
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from .common import CACHE, README, RESULTS, loadavg, machine, versions
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results"
-README = REPO / "README.md"
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "grpc")
     parser.add_argument("--results", default=None, help="results directory (default "
                         "bench/results, or .bench/quick with --quick)")
-    parser.add_argument("--cache", default=str(REPO / ".bench"),
+    parser.add_argument("--cache", default=str(CACHE),
                         help="where built models live (reused by later runs)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
@@ -96,10 +93,6 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
     return {"engine": dict(small), "loop": dict(small), "genai": dict(small)}
 
 
-def loadavg() -> float:
-    return os.getloadavg()[0]
-
-
 def others_cpu(window: float = 2.0) -> float:
     """CPU (in cores) used by processes other than this one over ``window`` seconds: what the
     1-minute load average cannot tell apart from our own previous runner."""
@@ -144,32 +137,6 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
         if calm == 0:
             log.info("waiting for a quiet machine: others use %.2f cores", busy)
             time.sleep(5)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def machine() -> str:
-    return f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for p in ("onnxruntime", "onnxruntime-genai", "torch", "transformers", "numpy"):
-        try:
-            out[p] = md.version(p)
-        except md.PackageNotFoundError:
-            pass
-    return out
 
 
 def run_size(name: str, args, results_dir: Path) -> dict:

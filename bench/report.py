@@ -13,7 +13,7 @@ START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 RUNNER_LABELS = {
     "engine": "kvserve engine (in-process, server/engine.py)",
-    "loop": "kvserve raw loop (OnnxLM + KVBuffers, argmax)",
+    "loop": "kvserve raw loop (artifact runner + KV cache, argmax)",
     "engine_int8": "kvserve engine, int8 artifact",
     "genai": "onnxruntime-genai 0.18 (Generator)",
     "torch": "kvserve torch eager (model/generate.py)",
@@ -134,11 +134,15 @@ def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
     if r is None:
         return ""
     parts = []
+    # results made before the fused runtime carry no kind: their decode graph was the portable
+    # one (attention over the whole buffer capacity, RoPE/softmax/masks as separate ops)
+    fused = _get(size, "runners", "loop", "runtime") == "fused"
     if loop_r is not None and loop_r > r + 0.03:
-        parts.append(f"engine-side cost (raw OnnxLM loop reaches {loop_r:.2f}×): per-token "
+        parts.append(f"engine-side cost (raw runner loop reaches {loop_r:.2f}×): per-token "
                      f"bookkeeping on the engine thread (sampling, detokenizer, stop checks, "
-                     f"events, metrics) and every decode step attending over the whole buffer "
-                     f"capacity (rounded up to 128 rows); see bench/results/profile.md")
+                     f"events, metrics)" + ("" if fused else " and every decode step attending "
+                                             "over the whole buffer capacity (rounded up to "
+                                             "128 rows)") + "; see bench/results/profile.md")
     steps_k = _get(size, "runners", "loop", "step_ms") or {}
     steps_g = _get(size, "runners", "genai", "step_ms") or {}
     if steps_k and steps_g:
@@ -146,10 +150,11 @@ def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
         if worse:
             parts.append("decode graph slower per step at position(s) " + ", ".join(
                 f"{p} ({steps_k[p]:.2f} vs {steps_g[p]:.2f} ms)" for p in worse)
-                + ": the torch-exported decode graph runs ~190 nodes after onnxruntime's "
-                  "optimisation (RoPE, score concat, softmax, masks as separate ops) vs 49 in "
-                  "genai's (GroupQueryAttention with RoPE and the KV write fused)")
-    if B > 1 and n == 512:
+                + (": per-operator profile: `bench/decode_cost.py --profile`" if fused else
+                   ": the torch-exported decode graph runs ~190 nodes after onnxruntime's "
+                   "optimisation (RoPE, score concat, softmax, masks as separate ops) vs 49 in "
+                   "genai's (GroupQueryAttention with RoPE and the KV write fused)"))
+    if B > 1 and n == 512 and not fused:
         parts.append("attention over the whole buffer capacity per row")
     return "; ".join(parts) or "within noise of the run (see load in the header)"
 
@@ -192,8 +197,9 @@ def render(results: dict[str, dict]) -> str:
                      f"{t['status']} | {t['detail']} | {t['why']} |")
     lines += ["", "Runners: **engine** = `server/engine.py` driven in-process (all requests "
               "submitted together, tokens collected from the handles: sampling, detokenizer, "
-              "stop checks included); **loop** = `OnnxLM.prefill` + `KVBuffers` + "
-              "`OnnxLM.decode` with `argmax`, nothing else. Profile of the decode loop: "
+              "stop checks included); **loop** = the artifact's runner "
+              "(`kvserve.artifact.load_lm`: `prefill`, then `decode` on its KV cache) with "
+              "`argmax`, nothing else. Profile of the decode loop: "
               "`bench/results/profile.md`.", ""]
     return "\n".join(lines)
 

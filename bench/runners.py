@@ -94,14 +94,16 @@ class LoopRunner(Runner):
         self.lm = load_lm(artifact, provider=provider, threads=threads, attention=False)
         self.cfg = self.lm.cfg
 
-    def _start(self, prompts: np.ndarray, capacity: int):
+    def start(self, prompts: np.ndarray, capacity: int):
+        """Prefill ``prompts`` (B, P) into a new cache of ``capacity`` rows: (cache, the
+        greedy first tokens (B,))."""
         kv = self.lm.new_cache(len(prompts), capacity=capacity)
         res = self.lm.prefill(kv, 0, list(prompts))
         return kv, np.array([x[-1].argmax() for x in res.logits], np.int64)
 
     def generate(self, prompts, n, times: list | None = None):
         B, P = prompts.shape
-        kv, tok = self._start(prompts, P + n + 1)
+        kv, tok = self.start(prompts, P + n + 1)
         out = np.empty((B, n), np.int64)
         out[:, 0] = tok
         if times is not None:
@@ -121,7 +123,7 @@ class LoopRunner(Runner):
 
     def step_ms(self, position, steps):
         prompt = prompts_for(1, position, self.cfg.vocab_size, seed=7)
-        kv, tok = self._start(prompt, position + steps + 2)
+        kv, tok = self.start(prompt, position + steps + 2)
         dts = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -214,7 +216,7 @@ class EngineRunner(Runner):
         # start is irrelevant to the differences taken by the caller)
         inside = sum(s for _, s in self.metrics.steps)
         self.decode_share = {"decode_steps": len(self.metrics.steps),
-                             "seconds_in_OnnxLM_decode": inside, "wall_seconds": wall,
+                             "seconds_in_runner_decode": inside, "wall_seconds": wall,
                              "share_in_decode": inside / wall}
         return list(np.cumsum([0.0, *self.metrics.gaps]))
 
@@ -469,6 +471,8 @@ def run_spec(spec: dict) -> dict:
     r = make_runner(spec)
     res: dict = {"runner": r.name, "load_seconds": time.perf_counter() - t0,
                  "rss_before_load_mb": rss0}
+    if getattr(r, "lm", None) is not None:  # kvserve's runners: which artifact runtime
+        res["runtime"] = r.lm.kind
     vocab, P = spec["vocab"], spec["prompt_len"]
     rep = spec["repeats"]
     try:

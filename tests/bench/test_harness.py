@@ -53,8 +53,18 @@ def test_missed_target_says_by_how_much_and_why():
     res = {"bench-6m": _size(800, 1000, loop=1000)}
     t = report.targets(res)[0]
     assert t["status"] == "missed by 20%"
-    assert "raw OnnxLM loop reaches 1.00×" in t["why"]
+    assert "raw runner loop reaches 1.00×" in t["why"]
     assert "decode graph slower" in t["why"]  # loop step 0.5 ms vs genai 0.3 ms
+    assert "~190 nodes" in t["why"]  # results without a runtime kind: the portable graphs
+
+
+def test_fused_results_do_not_blame_the_portable_graph():
+    size = _size(800, 1000, loop=1000)
+    size["runners"]["loop"]["runtime"] = "fused"
+    t = report.targets({"bench-6m": size})[0]
+    assert "raw runner loop reaches 1.00×" in t["why"] and "decode graph slower" in t["why"]
+    assert "capacity" not in t["why"] and "~190 nodes" not in t["why"]
+    assert "decode_cost.py --profile" in t["why"]
 
 
 def test_unmeasured_target_is_not_met():
