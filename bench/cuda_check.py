@@ -1,4 +1,4 @@
-"""The CUDA check (``kvserve bench --cuda-check``): the fused runtime on a GPU against the CPU
+"""The CUDA check (``kvserve bench --provider cuda``): the fused runtime on a GPU against the CPU
 provider and against transformers on the same weights.
 
 Per benchmark size (default bench-6m; bench-100m when the machine can build it):
@@ -156,6 +156,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache", default=".bench")
     parser.add_argument("--out", required=True, help="JSON file to write")
+
+
+def run(sizes: str, cache: Path, threads: int, out: Path, provider: str = "cuda",
+        rows: int = 16, steps: int = 128) -> int:
+    """``kvserve bench --provider cuda``."""
+    import argparse
+
+    return main(argparse.Namespace(provider=provider, sizes=sizes, rows=rows, steps=steps,
+                                   threads=threads, cache=str(cache), out=str(out)))
 
 
 def main(args) -> int:

@@ -6,6 +6,7 @@ between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
   kvserve bench --quick         6M only, fewer tokens; writes .bench/quick/ (not the README)
   kvserve bench --render-only   rebuild the tables and the README section from the JSON
   kvserve bench --profile       profile the decode loop -> bench/results/profile.md
+  kvserve bench --provider cuda the CUDA check (bench/cuda_check.py) -> <results>/cuda.json
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait-max", type=float, default=900.0)
     parser.add_argument("--profile", action="store_true",
                         help="only profile the decode loop (writes profile.md)")
+    parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: run the CUDA check instead (CUDA vs CPU logits and greedy "
+                             "tokens, fp16 perplexity, speed vs transformers on CUDA) and write "
+                             "cuda.json to the results directory")
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -244,6 +249,11 @@ def main(args: argparse.Namespace) -> int:
         from .profile import main as profile_main
 
         return profile_main(args)
+    if args.provider == "cuda":
+        from .cuda_check import run as cuda_check
+
+        return cuda_check(args.sizes or "bench-6m", Path(args.cache), args.threads,
+                          results_dir / "cuda.json")
     sizes = args.sizes.split(",") if args.sizes else \
         (["bench-6m"] if args.quick else ["bench-6m", "bench-100m", "small"])
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """The CUDA check's logic (bench/cuda_check.py) on the CPU provider against itself, on a tiny
 fused artifact: the figures it reports are computed and sane. On a GPU machine the same code
-compares CUDA with CPU (``kvserve bench --cuda-check``)."""
+compares CUDA with CPU (``kvserve bench --provider cuda``)."""
 from __future__ import annotations
 
 import numpy as np
