@@ -175,7 +175,7 @@ class EngineRunner(Runner):
         tb = TokenBytes(HFTokenizer.from_file(str(Path(artifact) / "tokenizer.json")),
                         self.cfg.vocab_size)
         self.engine = Engine(self.lm, tb, max_batch=max_batch, max_queue=256,
-                             prefill_floats=ServerConfig().score_chunk_floats,
+                             score_chunk_floats=ServerConfig().score_chunk_floats,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics())
         self.metrics = self.engine.metrics
         self.engine.start()

@@ -83,7 +83,7 @@ class App:
                                   mcfg.max_seq_len)
         self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
                              max_queue=self.cfg.max_queue,
-                             prefill_floats=self.cfg.score_chunk_floats, eos_id=eos,
+                             score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
                              request_time_limit=self.cfg.request_time_limit,
                              metrics=self.metrics)
         sha = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()

@@ -114,12 +114,13 @@ class _ScoreJob:
 
 class Engine:
     def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
-                 prefill_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
+                 score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
                  metrics=None):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.prefill_tokens = max(1, prefill_floats // self.cfg.vocab_size)
+        # tokens per prefill chunk: their logits (chunk x vocab) stay under score_chunk_floats
+        self.chunk_tokens = max(1, score_chunk_floats // self.cfg.vocab_size)
         self.eos_id = eos_id
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
@@ -211,8 +212,8 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine started: max_batch=%d max_queue=%d prefill_tokens=%d",
-                 self.max_batch, self.max_queue, self.prefill_tokens)
+        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d",
+                 self.max_batch, self.max_queue, self.chunk_tokens)
         while True:
             with self._cond:
                 while not self._stop and not self.active and not self._waiting \
@@ -293,11 +294,11 @@ class Engine:
             seq.stopper = StopMatcher(seq.req.stopping.stop)
             (attn if seq.wants_attention else plain).append(seq)
         # batched prefill of the plain ones, grouped so that B x T x V stays under the cap
-        plain.sort(key=lambda s: min(len(s.req.prompt_ids), self.prefill_tokens))
+        plain.sort(key=lambda s: min(len(s.req.prompt_ids), self.chunk_tokens))
         group: list[_Seq] = []
         for seq in plain:
-            t = min(len(seq.req.prompt_ids), self.prefill_tokens)
-            if group and (len(group) + 1) * t > self.prefill_tokens:
+            t = min(len(seq.req.prompt_ids), self.chunk_tokens)
+            if group and (len(group) + 1) * t > self.chunk_tokens:
                 self._prefill(group, attention=False)
                 group = []
             group.append(seq)
@@ -307,7 +308,7 @@ class Engine:
             self._prefill([seq], attention=True)
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
-        lens = [min(len(s.req.prompt_ids), self.prefill_tokens) for s in group]
+        lens = [min(len(s.req.prompt_ids), self.chunk_tokens) for s in group]
         lo = len(self.active)  # the group takes the next free slots, in order
         res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
                               attention=attention)
@@ -331,8 +332,8 @@ class Engine:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
         cap (through the decode graph with the slot's rows as the past). Returns the last
         row of logits (V,)."""
-        for a in range(start, len(ids), self.prefill_tokens):
-            chunk = np.asarray(ids[a:a + self.prefill_tokens], np.int64)
+        for a in range(start, len(ids), self.chunk_tokens):
+            chunk = np.asarray(ids[a:a + self.chunk_tokens], np.int64)
             last = self.lm.extend(self.kv, slot, chunk)[-1]  # (T, V) -> (V,)
         return last
 
@@ -453,7 +454,7 @@ class Engine:
                                         and time.monotonic() >= job.req.deadline):
                 raise concurrent.futures.CancelledError()
             if job.steps is None:
-                job.steps = score_steps(self.lm, job.req, self.prefill_tokens)
+                job.steps = score_steps(self.lm, job.req, self.chunk_tokens)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results
             job.future.set_result(done.value)

@@ -35,7 +35,7 @@ def make_engine():
 
     def make(lm=None, **kw):
         lm = lm or FakeLM(V)
-        args = dict(max_batch=4, max_queue=16, prefill_floats=V * 64, eos_id=None)
+        args = dict(max_batch=4, max_queue=16, score_chunk_floats=V * 64, eos_id=None)
         args.update(kw)
         e = Engine(lm, _token_bytes(), **args)
         e.start()
@@ -74,7 +74,7 @@ def test_concurrent_requests_share_decode_steps_and_match_the_reference(make_eng
 
 
 def test_long_prompt_is_prefilled_in_chunks(make_engine):
-    engine, lm = make_engine(prefill_floats=V * 8)  # 8 tokens per prefill chunk
+    engine, lm = make_engine(score_chunk_floats=V * 8)  # 8 tokens per prefill chunk
     prompt = list(range(1, 30))
     toks, fin = _collect(engine.submit(_req(prompt, 5)))
     assert toks == lm.reference(prompt, 5)
@@ -141,7 +141,7 @@ def test_attention_rows_cover_the_sequence(make_engine):
 
 
 def test_score_matches_the_model_and_interleaves_with_generation(make_engine):
-    engine, lm = make_engine(prefill_floats=V * 16)
+    engine, lm = make_engine(score_chunk_floats=V * 16)
     g = np.random.default_rng(1)
     seqs = [g.integers(0, V, n).tolist() for n in (5, 40, 9)]  # 40 > 16: chunked
     gen = engine.submit(_req([3], 30))
