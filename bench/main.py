@@ -75,26 +75,28 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
                 "grpc": dict(prompt_len=32, repeats=1, streams=16, new_tokens=32)}
     full = [[b, n] for b in (1, 8, 16) for n in (128, 512)]
     base = dict(prompt_len=32, repeats=rep, batches=[1, 8, 16], decode=full, ttft=[32, 512],
-                itl=128, steps=[16, 256, 1000], step_count=16, sample_tokens=True)
+                itl=128, steps=[16, 256, 1000], step_count=16, step_batches=[16],
+                sample_tokens=True)
     if size == "bench-6m":
         slow = {**base, "decode": [[1, 128], [1, 512], [8, 128], [8, 512], [16, 128]],
-                "steps": [], "itl": 0}
+                "steps": [], "step_batches": [], "itl": 0}
         return {"engine": {**base, "score": [8, 256]}, "loop": dict(base),
                 "genai": dict(base), "torch": {**slow, "score": [8, 256]},
                 "hf": {**slow, "score": [8, 256]},
-                "grpc": dict(prompt_len=32, repeats=rep, streams=16, new_tokens=128)}
+                "grpc": dict(prompt_len=32, repeats=rep, streams=8, new_tokens=128)}
     if size == "bench-100m":
         slow = {**base, "decode": [[1, 128], [8, 128]], "batches": [1, 8], "steps": [],
-                "itl": 0, "ttft": [32], "repeats": 1}
+                "step_batches": [], "itl": 0, "ttft": [32], "repeats": 1}
         return {"engine": {**base, "score": [8, 256]}, "loop": dict(base),
                 "engine_int8": {**base, "decode": [[1, 128], [1, 512], [8, 128]],
-                                "batches": [1, 8], "steps": [], "itl": 0},
+                                "batches": [1, 8], "steps": [], "step_batches": [],
+                                "itl": 0},
                 "genai": dict(base), "torch": {**slow, "score": [4, 128]},
-                "hf": {**slow, "score": [4, 128]},
-                "grpc": dict(prompt_len=32, repeats=rep, streams=16, new_tokens=128)}
+                "hf": {**slow, "score": [8, 256]},
+                "grpc": dict(prompt_len=32, repeats=rep, streams=8, new_tokens=128)}
     # small preset: our engine against the reference runtime only
     small = {**base, "decode": [[1, 128], [8, 128], [16, 128]], "ttft": [32], "steps": [],
-             "itl": 0}
+             "step_batches": [], "itl": 0}
     return {"engine": dict(small), "loop": dict(small), "genai": dict(small)}
 
 

@@ -67,15 +67,24 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+def _at_most(name: str, value: float | None, limit: float, why: str = "", detail: str = ""
+             ) -> dict:
+    """A target of the form value <= limit, reported as the ratio limit / value (>= 1 met)."""
+    t = _target(name, _ratio(limit, value), 1.0, why, detail)
+    t["goal"], t["ratio"] = limit, value
+    if value is not None:
+        t["status"] = "met" if value <= limit else f"missed by {value / limit - 1:.0%}"
+    return t
+
+
 def targets(results: dict[str, dict]) -> list[dict]:
-    """Every target of the Benchmarks issue, computed from one run's results (per size)."""
+    """Every target of the runtime issue, computed from one run's results (per size)."""
     out = []
     for key in ("bench-6m", "bench-100m"):
         size = results.get(key)
         if size is None:
             continue
-        label = size.get("label", key)
-        for B in (1, 8):
+        for B in (1, 8, 16):
             for n in (128, 512):
                 cell = f"{B}x{n}"
                 e, lp, g = (tok_s(size, r, cell) for r in ("engine", "loop", "genai"))
@@ -89,31 +98,50 @@ def targets(results: dict[str, dict]) -> list[dict]:
                     out.append(_target(f"{key}: stretch engine ≥ 1.2× onnxruntime-genai, "
                                        f"batch 1, {n} new tokens", r, 1.2, why,
                                        f"{_fmt(e)} vs {_fmt(g)} tok/s"))
-        del label
-    for key, size in results.items():
+        e1, l1 = tok_s(size, "engine", "1x128"), tok_s(size, "loop", "1x128")
+        out.append(_target(f"{key}: engine overhead ≤ 10% over the raw loop (engine ≥ 0.9× "
+                           f"loop, batch 1, 128 new tokens)", _ratio(e1, l1), 0.9,
+                           "per-token work on the engine thread and the consumer's wake-up "
+                           "per token (see bench/results/profile.md)",
+                           f"{_fmt(e1)} vs {_fmt(l1)} tok/s"))
         grpc = _get(size, "runners", "grpc", "grpc") or {}
-        e1 = tok_s(size, "engine", "1x128")
-        single = grpc.get("single_tok_s")
-        if single is not None:
-            r = _ratio(single, e1)
-            out.append(_target(f"{key}: gRPC single stream ≥ 0.85× in-process engine "
-                               f"(batch 1, 128 new tokens)", r, 0.85,
-                               "per-token gRPC message + client thread wake-up on a 2-core "
-                               "machine shared with the server's engine and ORT threads",
-                               f"{_fmt(single)} vs {_fmt(e1)} tok/s"))
-            r = _ratio(grpc.get("concurrent_tok_s"), single)
-            out.append(_target(f"{key}: {grpc.get('concurrent_streams', 16)} concurrent "
-                               f"streams ≥ 5× one stream", r, 5.0,
-                               _why_concurrency(size),
-                               f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(single)} tok/s"))
+        if grpc.get("single_tok_s") is not None:
+            streams = grpc.get("concurrent_streams", 8)
+            g1, gb = tok_s(size, "genai", "1x128"), tok_s(size, "genai", f"{streams}x128")
+            out.append(_target(f"{key}: gRPC one stream ≥ 0.9× onnxruntime-genai batch 1 "
+                               f"(128 new tokens)", _ratio(grpc["single_tok_s"], g1), 0.9,
+                               "a gRPC message per token (coalesced when the reader lags) and "
+                               "the client process on the same 2 cores as the server",
+                               f"{_fmt(grpc['single_tok_s'])} vs {_fmt(g1)} tok/s"))
+            out.append(_target(f"{key}: gRPC {streams} streams ≥ 0.9× onnxruntime-genai batch "
+                               f"{streams}", _ratio(grpc.get("concurrent_tok_s"), gb), 0.9,
+                               f"{streams} client threads and their messages share the 2 "
+                               f"cores with the server's engine and onnxruntime threads",
+                               f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(gb)} tok/s"))
         es = _get(size, "runners", "engine", "score", "tok_s")
         hs = _get(size, "runners", "hf", "score", "tok_s")
         if es is not None and hs is not None:
-            out.append(_target(f"{key}: Score ≥ 3× transformers eager", _ratio(es, hs), 3.0,
-                               "Score prefills each sequence separately (one engine "
-                               "iteration per sequence); transformers runs the batch in one "
-                               "forward", f"{_fmt(es)} vs {_fmt(hs)} tok/s"))
+            out.append(_target(f"{key}: Score ≥ 3× transformers eager (8 × 256)",
+                               _ratio(es, hs), 3.0,
+                               "both run the same matmuls (the lm_head over every position "
+                               "dominates at this vocabulary) on the same 2 cores; what Score "
+                               "saves is per-call overhead, not arithmetic",
+                               f"{_fmt(es)} vs {_fmt(hs)} tok/s"))
     size = results.get("bench-100m")
+    if size is not None:
+        re_, rg = (_get(size, "runners", r, "rss_peak_mb") for r in ("engine", "genai"))
+        out.append(_at_most("bench-100m: engine peak RSS ≤ 1.1× onnxruntime-genai's",
+                            _ratio(re_, rg), 1.1, "", f"{_fmt(re_)} vs {_fmt(rg)} MB"))
+        for B, limit in ((1, 1.15), (16, 1.5)):
+            steps = _get(size, "runners", "loop", "step_ms" if B == 1 else f"step_ms_batch{B}") \
+                or {}
+            r = _ratio(steps.get("1000"), steps.get("16"))
+            out.append(_at_most(f"bench-100m: decode step at position 1000 ≤ {limit}× "
+                                f"position 16, batch {B}", r, limit,
+                                "attention reads the cache rows of every position: at 1000 "
+                                "positions that is real work next to the weights",
+                                f"{_fmt(steps.get('1000'), 2)} vs {_fmt(steps.get('16'), 2)} "
+                                f"ms"))
     if size is not None and "engine_int8" in size.get("runners", {}):
         q, f = tok_s(size, "engine_int8", "1x128"), tok_s(size, "engine", "1x128")
         ppl = size.get("int8_perplexity") or {}

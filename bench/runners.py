@@ -4,7 +4,8 @@ is attributable to one runner and no runner warms another's caches or shares its
 Every runner offers the same operations on the same token ids:
   generate(prompts (B, P) int, n) -> (B, n) greedy tokens   (decode tok/s, TTFT = n of 1)
   stream(prompt (P,), n) -> n token arrival times            (inter-token latency, batch 1)
-  step_ms(position) -> median decode step time at that position (where the runner has steps)
+  step_ms(position, batch) -> median decode step time at that position (where the runner has
+                           steps), batch 1 and the plan's step_batches
   score(sequences) -> per-token log-probabilities             (Score tokens/s)
 What each runner is:
   engine  kvserve's continuous-batching Engine (server/engine.py), in-process: N requests
@@ -72,7 +73,7 @@ class Runner:
     def stream(self, prompt: np.ndarray, n: int) -> list[float]:
         raise NotImplementedError
 
-    def step_ms(self, position: int, steps: int) -> float:
+    def step_ms(self, position: int, steps: int, batch: int = 1) -> float:
         raise NotImplementedError
 
     def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
@@ -121,13 +122,13 @@ class LoopRunner(Runner):
         self.generate(prompt[None], n, times)
         return times
 
-    def step_ms(self, position, steps):
-        prompt = prompts_for(1, position, self.cfg.vocab_size, seed=7)
+    def step_ms(self, position, steps, batch=1):
+        prompt = prompts_for(batch, position, self.cfg.vocab_size, seed=7)
         kv, tok = self.start(prompt, position + steps + 2)
         dts = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            logits, _ = self.lm.decode(kv, 1, tok)
+            logits, _ = self.lm.decode(kv, batch, tok)
             tok = logits.argmax(-1)
             dts.append(time.perf_counter() - t0)
         return 1000 * statistics.median(dts)
@@ -327,9 +328,9 @@ class GenaiRunner(Runner):
         self.generate(prompt[None], n, times)
         return times
 
-    def step_ms(self, position, steps):
-        prompt = prompts_for(1, position, self.vocab, seed=7).astype(np.int32)
-        g = self._generator(1, position + steps + 2)
+    def step_ms(self, position, steps, batch=1):
+        prompt = prompts_for(batch, position, self.vocab, seed=7).astype(np.int32)
+        g = self._generator(batch, position + steps + 2)
         g.append_tokens(prompt)
         g.generate_next_token()
         dts = []
@@ -508,6 +509,9 @@ def run_spec(spec: dict) -> dict:
         if spec.get("steps") and r.has_steps:
             res["step_ms"] = {str(pos): r.step_ms(pos, spec.get("step_count", 16))
                               for pos in spec["steps"]}
+            for B in spec.get("step_batches", []):  # the same positions, B rows per step
+                res[f"step_ms_batch{B}"] = {str(pos): r.step_ms(pos, spec.get("step_count", 16),
+                                                               B) for pos in spec["steps"]}
         if spec.get("score") and r.has_score:
             nseq, T = spec["score"]
             seqs = prompts_for(nseq, T, vocab, seed=11).tolist()
