@@ -14,7 +14,6 @@ The same code runs on CPU and CUDA; only where an OrtValue lives differs (``devi
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ from onnx import TensorProto, helper
 
 from kvserve.model.config import ModelConfig
 
-from .manifest import CONFIG, MANIFEST
-from .providers import check_optimized_for, choose_providers, device_of, session_options
+from .base import ArtifactRunner
+from .providers import device_of
 from .spec import FUSED_SMALL_INPUTS, fused_spec_from
 
 log = logging.getLogger(__name__)
@@ -222,7 +221,7 @@ class _Bound:
         return [outs[first + i].numpy() for i in range(len(self.attn_names))]
 
 
-class FusedLM:
+class FusedLM(ArtifactRunner):
     """A fused artifact run by onnxruntime: ``prefill`` / ``extend`` / ``decode`` on slots of a
     ``DeviceKV``. Attention diagnostics come from the graph's ``qk_output`` variant, whose
     session is created the first time a call asks for them."""
@@ -231,29 +230,22 @@ class FusedLM:
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None):
-        self.dir = Path(artifact_dir)
-        self.cfg = ModelConfig.load(self.dir / CONFIG)
-        self.manifest = json.loads((self.dir / MANIFEST).read_text())
-        runtime = self.manifest["runtime"]
-        self.runtime = runtime
-        self.providers = choose_providers(provider, tf32)
-        check_optimized_for(self.manifest, self.providers)
+        super().__init__(artifact_dir, provider, threads, spin, tf32, options)
+        runtime = self.runtime = self.manifest["runtime"]
         self.device = device_of(self.providers)
         self.host_inputs = set(runtime.get("host_inputs", ())) if self.device != "cpu" else set()
         self._specs = {False: fused_spec_from(runtime, False), True: fused_spec_from(runtime,
                                                                                      True)}
-        self._options = options or session_options(threads, spin)
         self._sessions: dict[bool, ort.InferenceSession] = {False: self._load("main")}
         self.provider = self._sessions[False].get_providers()[0]
         self._attention_graph = attention and "attention" in runtime["graphs"]
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
         self._bound: dict[tuple, _Bound] = {}
-        self.ort_seconds = 0.0  # time inside onnxruntime's run, all calls (profiling tools)
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
-        return ort.InferenceSession(str(path), self._options, providers=self.providers)
+        return ort.InferenceSession(str(path), self.options, providers=self.providers)
 
     @property
     def has_attention(self) -> bool:

@@ -14,7 +14,6 @@ leading slice ``[:n]`` of every buffer; a sequence that leaves is replaced by th
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -26,8 +25,7 @@ import onnxruntime as ort
 from kvserve.model.config import ModelConfig
 
 from .fused import Prefilled
-from .manifest import CONFIG, MANIFEST
-from .providers import check_optimized_for, choose_providers, session_options
+from .base import ArtifactRunner
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +133,7 @@ class PrefillResult:
     attentions: list[np.ndarray] | None  # L x (B, H, T, T)
 
 
-class PortableLM:
+class PortableLM(ArtifactRunner):
     """The portable graphs of one artifact directory, run by onnxruntime, with the same
     interface as ``FusedLM`` (``new_cache`` / ``prefill`` / ``extend`` / ``decode``)."""
     kind = "portable"
@@ -143,12 +141,8 @@ class PortableLM:
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None):
-        self.dir = Path(artifact_dir)
-        self.cfg = ModelConfig.load(self.dir / CONFIG)
-        self.manifest = json.loads((self.dir / MANIFEST).read_text())
-        self.providers = choose_providers(provider, tf32)
-        check_optimized_for(self.manifest, self.providers)
-        so = options or session_options(threads, spin)
+        super().__init__(artifact_dir, provider, threads, spin, tf32, options)
+        so = self.options
         self.sessions: dict[str, ort.InferenceSession] = {}
         graphs = self.manifest["graphs"]
         names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"]
@@ -170,7 +164,6 @@ class PortableLM:
         self.past_names = [names[f"past_{kv}"] % i for i in range(L) for kv in ("key", "value")]
         self.attn_names = [names["attn_weights"] % i for i in range(L)]
         self._bound: dict[tuple, tuple] = {}
-        self.ort_seconds = 0.0  # time inside onnxruntime's run_with_iobinding (decode steps)
 
     @property
     def has_attention(self) -> bool:

@@ -319,7 +319,7 @@ def markdown(result: dict) -> str:
     for batch, t in result["target"].items():
         goal = "no target" if t["ratio_max"] is None else \
             f"target <= {t['ratio_max']}: {'met' if t['met'] else 'NOT met'}" + \
-            ("" if t["applies"] else f" (the target is for positions 16 -> 1000)")
+            ("" if t["applies"] else " (the target is for positions 16 -> 1000)")
         L.append(f"- {batch}: plain step({hi}) / step({lo}) = {t['ratio']:.3f} ({goal})")
     a = result["arithmetic"]
     L += ["", f"Arithmetic per sequence: {a['weight_macs'] / 1e6:.2f} M weight MACs per step "
