@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import kvserve
-from kvserve.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model
+from kvserve.model.checkpoint import CONFIG, SIDE_FILES, TOKENIZER, WEIGHTS, load_model
 from kvserve.server.runtime import OnnxLM
 
 from . import precision as prec
@@ -64,7 +64,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             export_graph(model, spec, work)
             bar.update()
         _graphs_manifest(work, cfg, specs)
-        for name in (CONFIG, TOKENIZER):
+        for name in (CONFIG, *SIDE_FILES):  # tokenizer, chat template, generation config
             if (ckpt / name).is_file():
                 shutil.copy(ckpt / name, tmp / name)
         shutil.copy(ckpt / CONFIG, work / CONFIG)
@@ -179,7 +179,8 @@ def _manifest_content(ckpt, cfg, specs, precision, parity, ppl, eval_ids) -> dic
         "model": {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
                   "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len,
-                  "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id},
+                  "eos_token_id": cfg.eos_token_id, "eos_token_ids": cfg.stop_ids,
+                  "pad_token_id": cfg.pad_token_id},
         "graphs": _graph_entries(cfg, specs),
         "parity": parity,
         "source": {"checkpoint": ckpt.name, "weights_sha256": sha256_file(ckpt / WEIGHTS)},

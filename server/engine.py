@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -146,12 +146,14 @@ class _Scored:
 class Engine:
     def __init__(self, lm: OnnxLM, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  prefill_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
-                 metrics=None):
+                 metrics=None, eos_ids: Sequence[int] = ()):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_tokens = max(1, prefill_floats // self.cfg.vocab_size)
         self.eos_id = eos_id
+        # every id that ends a sequence (Llama 3's generation config lists three)
+        self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
         self.kv = KVBuffers(self.cfg, max_batch)
@@ -393,8 +395,8 @@ class Engine:
         x = raw
         if k < st.min_new_tokens:  # the stops cannot be chosen yet
             banned = list(st.stop_token_ids)
-            if self.eos_id is not None and not st.ignore_eos:
-                banned.append(self.eos_id)
+            if not st.ignore_eos:
+                banned.extend(self.eos_ids)
             if banned:
                 x = raw.copy()
                 x[banned] = NEG_INF
@@ -421,7 +423,7 @@ class Engine:
 
         finish, stop_seq = None, ""
         armed = k >= st.min_new_tokens
-        if armed and tok == self.eos_id and not st.ignore_eos:
+        if armed and tok in self.eos_ids and not st.ignore_eos:
             finish, ev.special = FinishReason.EOS_TOKEN, True
         elif armed and tok in st.stop_token_ids:
             finish, ev.special = FinishReason.STOP_TOKEN, True

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvserve.model.checkpoint import SIDE_FILES
+
 from .common import HFImportError
 
 log = logging.getLogger(__name__)
@@ -19,8 +21,7 @@ SINGLE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 GENERATION_CONFIG = "generation_config.json"
 # Copied into the checkpoint (and by export into the artifact) when the model ships them.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json", GENERATION_CONFIG)
+TOKENIZER_FILES = SIDE_FILES
 MAX_SIDE_FILE = 256 << 20  # bytes: real tokenizer.json files are tens of MB
 # generation_config.json keys recorded as the model's documented sampling defaults
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p",
@@ -129,11 +130,12 @@ def _ids(v: Any) -> list[Any]:
 
 def generation_settings(hf: dict[str, Any], gen: dict[str, Any] | None,
                         vocab: int) -> tuple[list[int], dict[str, Any]]:
-    """(every EOS id, in order: generation_config.json first, then config.json; the documented
-    sampling defaults of generation_config.json)."""
+    """(every EOS id: generation_config.json's when it lists any (as transformers' generate
+    uses them), else config.json's; the documented sampling defaults of
+    generation_config.json)."""
     gen = gen or {}
     eos: list[int] = []
-    for v in _ids(gen.get("eos_token_id")) + _ids(hf.get("eos_token_id")):
+    for v in _ids(gen.get("eos_token_id")) or _ids(hf.get("eos_token_id")):
         if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab:
             if v not in eos:
                 eos.append(v)
