@@ -31,14 +31,17 @@ KEYS = {"gemma": _GEMMA,
         "gemma2": _GEMMA | {"query_pre_attn_scalar", "attn_logit_softcapping",
                             "final_logit_softcapping", "sliding_window", "layer_types",
                             "cache_implementation"}}
-GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")  # HF maps Gemma's legacy "gelu" to tanh
+# transformers' GemmaConfig turns Gemma's legacy hidden_act "gelu" into the tanh approximation;
+# Gemma 2 reads hidden_activation as written (there "gelu" would be the exact erf gelu)
+GELU_TANH = {"gemma": ("gelu_pytorch_tanh", "gelu"), "gemma2": ("gelu_pytorch_tanh",)}
 
 
 def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig:
     arch = s.architecture
     if hf.get("use_bidirectional_attention"):
         raise refuse(arch, "use_bidirectional_attention", True, "kvserve is causal only")
-    act_key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+    act_key = "hidden_activation" if s.model_type == "gemma2" or hf.get("hidden_activation") \
+        else "hidden_act"
     d = get_int(hf, "hidden_size", arch)
     b = get_bool(hf, "attention_bias", arch)
     options: dict[str, Any] = dict(qkv_bias=b, out_bias=b, embed_scale=math.sqrt(d),
@@ -54,7 +57,7 @@ def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig
                        attn_softcap=get_number(hf, "attn_logit_softcapping", arch),
                        final_softcap=get_number(hf, "final_logit_softcapping", arch),
                        sliding_window=window, sliding_layers=layers)
-    return base_config(hf, arch, tie_default=True, acts=GELU_TANH, ffn="geglu_tanh",
+    return base_config(hf, arch, tie_default=True, acts=GELU_TANH[s.model_type], ffn="geglu_tanh",
                        act_key=act_key, extra=extra, **options)
 
 

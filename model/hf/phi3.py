@@ -15,7 +15,9 @@ SUPPORTED = (
             "as Llama (no biases) with fused qkv_proj = attn.qkv and gate_up_proj = ffn.w_in, "
             "sliding_window on every layer, rope_scaling longrope/su (short/long factors, "
             "original_max_position_embeddings, attention factor; the long factors apply to a "
-            "sequence once its last position is past original_max_position_embeddings)",
+            "sequence once its last position is past original_max_position_embeddings; a "
+            "sequence that crosses it while decoding keeps its earlier keys rotated with the "
+            "short factors, where transformers' generate recomputes them)",
             "partial_rotary_factor != 1, everything refused for Llama"),
 )
 KEYS = {"phi3": LLAMA_KEYS | {"sliding_window", "original_max_position_embeddings",

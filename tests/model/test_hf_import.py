@@ -307,4 +307,9 @@ def test_cli_success_and_help(imported, tmp_path, capsys):
         "hf_architecture"] == "Qwen2ForCausalLM"
     with pytest.raises(SystemExit):
         cli_main(["import-hf", "--help"])
-    assert "MistralForCausalLM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+                 "SmolLM3ForCausalLM"):
+        assert arch in out
+    assert out.count("maps to:") == out.count("refused:") == 9
