@@ -29,7 +29,7 @@ from kvserve.artifact.manifest import MANIFEST, sha256_file, write_manifest
 from kvserve.artifact.spec import (ALL_SPECS, DECODE, FUSED, OPSET, PORTABLE, PREFILL, FusedSpec,
                                    runtime_section)
 from kvserve.artifact.verify import verify_artifacts
-from kvserve.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model
+from kvserve.model.checkpoint import CONFIG, SIDE_FILES, TOKENIZER, WEIGHTS, load_model
 
 from . import fused
 from . import precision as prec
@@ -73,7 +73,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     try:
         _write_graphs(model, kind, specs, work, bar)
         _graphs_manifest(work, cfg, kind, specs)
-        for name in (CONFIG, TOKENIZER):
+        for name in (CONFIG, *SIDE_FILES):  # tokenizer, chat template, generation config
             if (ckpt / name).is_file():
                 shutil.copy(ckpt / name, tmp / name)
         shutil.copy(ckpt / CONFIG, work / CONFIG)

@@ -6,6 +6,11 @@ therefore reads the cache once, as attention must, and copies none of it. The la
 only the new K/V rows; whoever owns the cache (``model.cache.KVCache`` in torch, the
 runtime's preallocated buffers in the server) writes them in.
 
+Options of imported families: per-head RMSNorm of q and k before RoPE (``qk_norm``, Qwen3),
+a custom score scale (Gemma 2's ``query_pre_attn_scalar``) and logit soft-capping
+``cap * tanh(s / cap)`` before the mask (Gemma 2). Sliding windows and per-layer RoPE are decided
+by the caller (``allowed`` and ``rope`` per layer).
+
 Query heads are grouped under their KV head (head h uses KV head h // n_groups), and the
 groups are folded into the row dimension, so GQA/MQA never materialise repeated K/V.
 """
@@ -17,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .config import ModelConfig
-from .layers import apply_rope
+from .layers import apply_rope, make_norm
 
 
 class Attention(nn.Module):
@@ -25,7 +30,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.n_groups = cfg.n_groups
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.softcap = cfg.attn_softcap
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         q_out = cfg.n_heads * cfg.head_dim
         kv_out = cfg.n_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, q_out + 2 * kv_out, bias=cfg.qkv_bias)
@@ -43,6 +51,9 @@ class Attention(nn.Module):
         H, Hkv, D, G = self.n_heads, self.n_kv_heads, self.head_dim, self.n_groups
         # one reshape/transpose for all heads; RoPE rotates queries and keys in one go
         qkv = self.qkv(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H+2Hkv, T, D)
+        if self.q_norm is not None:
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=1)  # (B, H|Hkv|Hkv, T, D)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=1)  # (B, H+2Hkv, T, D)
         if rope is not None:
             q, k = apply_rope(qkv[:, :H + Hkv], *rope).split((H, Hkv), dim=1)
             v = qkv[:, H + Hkv:]  # (B, Hkv, T, D)
@@ -56,6 +67,8 @@ class Attention(nn.Module):
             scores = torch.cat((scores_past, scores), dim=-1)  # (B, Hkv, G*T, P+T)
         S = scores.shape[-1]
         scores = scores.view(B, H, T, S) * self.scale  # (B, H, T, S)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap  # (B, H, T, S)
         # A large finite negative, not -inf: a row with every key masked stays finite.
         scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)  # (B, H, T, S)

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+# files a checkpoint may carry beside the weights and that export copies into the artifact
+# (import-hf copies the ones a Hugging Face model ships)
+SIDE_FILES = (TOKENIZER, "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
 def model_state(model: Transformer) -> dict[str, torch.Tensor]:

@@ -11,34 +11,40 @@ from .config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """gamma * x / sqrt(mean(x^2) + eps), computed in float32 (as Llama does)."""
+    """(offset + gamma) * x / sqrt(mean(x^2) + eps), in float32 (as Llama does; Gemma's
+    ``(1 + w)`` norm is offset 1)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, float(offset)
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim)
+        w = self.weight.float()
+        if self.offset:
+            w = w + self.offset
         # F.rms_norm exports as ONNX RMSNormalization (opset 23): one op instead of seven
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), w, self.eps).to(x.dtype)
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = cfg.d_model if dim is None else dim
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(dim, cfg.norm_eps, cfg.norm_offset)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)
 
 
 class FeedForward(nn.Module):
-    """Position-wise FFN: W_down act(W_up x), or SwiGLU W_down (silu(W_g x) * W_u x).
+    """Position-wise FFN: W_down act(W_up x), or gated W_down (act(W_g x) * W_u x) with silu
+    (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma).
 
-    SwiGLU's gate and up projections are one fused matmul (``w_in`` holds [gate; up]).
+    The gate and up projections are one fused matmul (``w_in`` holds [gate; up]).
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind = cfg.ffn
-        n_in = 2 * cfg.d_ff if cfg.ffn == "swiglu" else cfg.d_ff
+        n_in = 2 * cfg.d_ff if cfg.ffn in ("swiglu", "geglu_tanh") else cfg.d_ff
         self.w_in = nn.Linear(cfg.d_model, n_in, bias=cfg.ffn_bias)
         self.w_out = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
 
@@ -47,6 +53,9 @@ class FeedForward(nn.Module):
         if self.kind == "swiglu":
             gate, up = h.chunk(2, dim=-1)  # (B, T, F) each
             h = F.silu(gate) * up
+        elif self.kind == "geglu_tanh":
+            gate, up = h.chunk(2, dim=-1)  # (B, T, F) each
+            h = F.gelu(gate, approximate="tanh") * up
         elif self.kind == "gelu":
             h = F.gelu(h)
         elif self.kind == "gelu_tanh":
@@ -67,17 +76,56 @@ def sinusoidal_table(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)  # (B, T, dim)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor,
-                                                                                 torch.Tensor]:
+def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> list[torch.Tensor]:
+    """The rotary frequencies (D/2,), as Hugging Face computes them for each rope_type.
+
+    One tensor for plain, ``linear`` and ``llama3`` RoPE; two (short, long) for ``longrope``.
+    """
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                          / head_dim))  # (D/2,)
+    kind = (scaling or {}).get("type")
+    if kind is None:
+        return [inv]
+    if kind == "linear":
+        return [inv / scaling["factor"]]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return [torch.where(medium, smoothed, scaled)]
+    if kind == "longrope":
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return [1.0 / (torch.tensor(scaling[k], dtype=torch.float32) * base ** shape)
+                for k in ("short_factor", "long_factor")]
+    raise ValueError(f"unknown rope scaling {kind!r}")
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freqs: list[torch.Tensor],
+                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for rotary embeddings in the rotate-half layout (Llama / HF convention).
 
     positions: (B, T) -> cos, sin: (B, 1, T, head_dim) float32, ready to broadcast over heads.
+    ``longrope`` (Phi-3) uses the long factors for a row whose last position is past
+    ``original_max_position_embeddings`` (as transformers does per call, here per row) and
+    scales cos/sin by its attention factor.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                            dtype=torch.float32) / head_dim))  # (D/2,)
-    freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, T, D/2)
+    inv = inv_freqs[0].to(positions.device)  # (D/2,)
+    pos = positions.float().unsqueeze(-1)  # (B, T, 1)
+    if len(inv_freqs) == 2:
+        long_rows = (positions.max(dim=-1, keepdim=True).values + 1
+                     > scaling["original_max_position_embeddings"]).unsqueeze(-1)  # (B, 1, 1)
+        inv = torch.where(long_rows, inv_freqs[1].to(positions.device), inv)  # (B, 1, D/2)
+    freqs = pos * inv  # (B, T, D/2)
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, T, D)
-    return emb.cos(), emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    factor = (scaling or {}).get("attention_factor")
+    if factor is not None and factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class App:
                              max_queue=self.cfg.max_queue,
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
                              request_time_limit=self.cfg.request_time_limit,
-                             metrics=self.metrics)
+                             metrics=self.metrics, eos_ids=mcfg.stop_ids)
         sha = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__)
         log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",

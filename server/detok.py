@@ -1,7 +1,10 @@
 """Incremental detokenization that never splits a UTF-8 character, and stop-string matching
 across token boundaries.
 
-``TokenBytes`` maps every token id to its bytes (byte-level BPE: exact); a per-request
+``TokenBytes`` maps every token id to its bytes (exact for byte-level BPE, and for
+SentencePiece-style vocabularies (Llama 2, Mistral, Gemma: ``▁`` for a space and ``<0xNN>``
+byte-fallback tokens, decoded by a Metaspace or Replace/ByteFallback/Fuse/Strip decoder); a
+per-request
 ``IncrementalDetokenizer`` feeds those bytes to Python's incremental UTF-8 decoder, which holds
 back an incomplete character until its last byte arrives (invalid bytes become U+FFFD, as the
 tokenizer's own lossy decode does). ``StopMatcher`` holds back any text that could still be the
@@ -12,6 +15,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,10 +36,36 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SPIECE_STEPS = {"Replace", "ByteFallback", "Fuse", "Strip", "Metaspace"}
+
+
+def _sentencepiece_style(decoder: dict) -> tuple[bool, bool]:
+    """(is a SentencePiece-style decoder, has byte fallback). Only decoders whose every step is
+    per-token (``▁`` -> space, ``<0xNN>`` -> byte, fuse, strip the leading space of the whole
+    text) qualify: their per-token bytes concatenate to the exact text."""
+    steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else [decoder]
+    if not steps or any(not isinstance(d, dict) or d.get("type") not in _SPIECE_STEPS
+                        for d in steps):
+        return False, False
+    for d in steps:
+        if d["type"] == "Replace" and not (d.get("pattern", {}).get("String") == "\u2581"
+                                           and d.get("content") == " "):
+            return False, False
+        if d["type"] == "Metaspace" and d.get("replacement", "\u2581") != "\u2581":
+            return False, False
+    spaced = any(d["type"] in ("Replace", "Metaspace") for d in steps)
+    return spaced, any(d["type"] == "ByteFallback" for d in steps)
+
+
 class TokenBytes:
-    """id -> bytes for a tokenizer. Byte-level BPE vocabularies are mapped exactly; for other
-    tokenizers each id's bytes come from decoding it alone (good for most, documented as
-    approximate for decoders that merge across tokens)."""
+    """id -> bytes for a tokenizer. Byte-level BPE and SentencePiece-style vocabularies are
+    mapped exactly; for other tokenizers each id's bytes come from decoding it alone (good for
+    most, documented as approximate for decoders that merge across tokens).
+
+    SentencePiece decoders also strip the space that starts a whole decoded text (``Strip`` /
+    Metaspace's prefix space); a stream continues a prompt, so its leading space is kept: the
+    streamed text is ``decode(prompt + generated)`` minus ``decode(prompt)``."""
 
     def __init__(self, hf_tokenizer, vocab_size: int):
         self.vocab_size = vocab_size
@@ -55,6 +85,19 @@ class TokenBytes:
                     self.table[i] = bytes(inv[ch] for ch in tok)
                 else:
                     self.table[i] = tok.encode("utf-8")
+            self.exact = True
+        elif _sentencepiece_style(spec.get("decoder") or {})[0]:
+            byte_fallback = _sentencepiece_style(spec["decoder"])[1]
+            for tok, i in vocab.items():
+                if not 0 <= i < vocab_size:
+                    continue
+                m = _BYTE_TOKEN.fullmatch(tok) if byte_fallback else None
+                if i in added:
+                    self.table[i] = added[i].encode("utf-8")
+                elif m:
+                    self.table[i] = bytes([int(m.group(1), 16)])
+                else:
+                    self.table[i] = tok.replace("\u2581", " ").encode("utf-8")
             self.exact = True
         else:
             for tok, i in vocab.items():

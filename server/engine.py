@@ -28,7 +28,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -115,13 +115,15 @@ class _ScoreJob:
 class Engine:
     def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
-                 metrics=None):
+                 metrics=None, eos_ids: Sequence[int] = ()):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
         # tokens per prefill chunk: their logits (chunk x vocab) stay under score_chunk_floats
         self.chunk_tokens = max(1, score_chunk_floats // self.cfg.vocab_size)
         self.eos_id = eos_id
+        # every id that ends a sequence (Llama 3's generation config lists three)
+        self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
@@ -362,7 +364,7 @@ class Engine:
         req = seq.req
         k = len(seq.generated)
         x = raw
-        banned = banned_ids(req.stopping, self.eos_id, k)
+        banned = banned_ids(req.stopping, self.eos_ids, k)
         if banned:
             x = raw.copy()
             x[banned] = NEG_INF
@@ -375,7 +377,7 @@ class Engine:
         seq.generated.append(tok)
         seq.feed = tok
 
-        stop = check_stop(tok, k, req.stopping, self.eos_id, seq.detok, seq.stopper)
+        stop = check_stop(tok, k, req.stopping, self.eos_ids, seq.detok, seq.stopper)
         ev = self._event(k, tok, raw, attention, stop, req.output)
         self._emit(seq, ev)
         if stop.finish is not None:

@@ -9,14 +9,14 @@ from .detok import IncrementalDetokenizer, StopMatcher
 from .domain import FinishReason, StopParams
 
 
-def banned_ids(st: StopParams, eos_id: int | None, generated: int) -> list[int]:
+def banned_ids(st: StopParams, eos_ids: frozenset[int], generated: int) -> list[int]:
     """Ids that cannot be chosen at generated-token index ``generated`` (the stops, before
-    ``min_new_tokens``)."""
+    ``min_new_tokens``). ``eos_ids``: every id that ends a sequence (Llama 3 lists three)."""
     if generated >= st.min_new_tokens:
         return []
     banned = list(st.stop_token_ids)
-    if eos_id is not None and not st.ignore_eos:
-        banned.append(eos_id)
+    if not st.ignore_eos:
+        banned.extend(eos_ids)
     return banned
 
 
@@ -28,12 +28,12 @@ class StopCheck:
     stop_sequence: str = ""
 
 
-def check_stop(tok: int, generated: int, st: StopParams, eos_id: int | None,
+def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int],
                detok: IncrementalDetokenizer, stopper: StopMatcher) -> StopCheck:
     """``tok`` was chosen as generated token number ``generated`` + 1 (so ``generated`` were
     before it). Pushes its text through the detokenizer and the stop matcher."""
     armed = generated >= st.min_new_tokens
-    if armed and tok == eos_id and not st.ignore_eos:
+    if armed and tok in eos_ids and not st.ignore_eos:
         r = StopCheck("", FinishReason.EOS_TOKEN, special=True)
     elif armed and tok in st.stop_token_ids:
         r = StopCheck("", FinishReason.STOP_TOKEN, special=True)

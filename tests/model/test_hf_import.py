@@ -233,22 +233,24 @@ def test_base_configs_map():
 
 
 @pytest.mark.parametrize("cfg, pattern", [
-    ({**LLAMA_CFG, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
-    ({**LLAMA_CFG, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "rope_type"),
+    ({**LLAMA_CFG, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ({**LLAMA_CFG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+     "rope_type.*yarn"),
     ({**LLAMA_CFG, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
-    ({**LLAMA_CFG, "head_dim": 32}, "head_dim"),
+    ({**LLAMA_CFG, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     "rope_scaling.high_freq_factor"),
     ({**LLAMA_CFG, "hidden_act": "gelu"}, "hidden_act"),
     ({**LLAMA_CFG, "quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ({**LLAMA_CFG, "logit_scale": 0.5}, "logit_scale"),
     ({**LLAMA_CFG, "architectures": ["LlamaForSequenceClassification"]}, "unsupported arch"),
     ({**LLAMA_CFG, "architectures": ["BertForMaskedLM"], "model_type": "bert"},
      "unsupported architecture 'BertForMaskedLM'"),
-    ({**LLAMA_CFG, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-      "sliding_window": 64}, "sliding_window=64"),
     ({**LLAMA_CFG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-      "use_sliding_window": True}, "use_sliding_window"),
+      "use_sliding_window": True, "sliding_window": 8, "layer_types": ["chunked"] * 2},
+     "layer_types"),
+    ({**LLAMA_CFG, "architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+      "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({**GPT2_CFG, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({**GPT2_CFG, "reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
     ({**GPT2_CFG, "scale_attn_weights": False}, "scale_attn_weights"),
@@ -305,4 +307,9 @@ def test_cli_success_and_help(imported, tmp_path, capsys):
         "hf_architecture"] == "Qwen2ForCausalLM"
     with pytest.raises(SystemExit):
         cli_main(["import-hf", "--help"])
-    assert "MistralForCausalLM" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for arch in ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM",
+                 "SmolLM3ForCausalLM"):
+        assert arch in out
+    assert out.count("maps to:") == out.count("refused:") == 9

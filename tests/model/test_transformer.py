@@ -9,7 +9,7 @@ import torch
 from kvserve.model.attention import Attention
 from kvserve.model.cache import KVCache
 from kvserve.model.config import PRESETS, ModelConfig, preset
-from kvserve.model.layers import rope_cos_sin, sinusoidal_table
+from kvserve.model.layers import rope_cos_sin, rope_inv_freq, sinusoidal_table
 from kvserve.model.transformer import Block, Transformer, attention_allowed
 
 CACHE_TOL = 1e-5  # cached incremental decoding vs full forward
@@ -183,8 +183,8 @@ def test_rope_scores_depend_only_on_relative_offset():
 
     def score(m: int, n: int) -> float:
         from kvserve.model.layers import apply_rope
-        cq, sq = rope_cos_sin(torch.tensor([[m]]), D, 10000.0)
-        ck, sk = rope_cos_sin(torch.tensor([[n]]), D, 10000.0)
+        cq, sq = rope_cos_sin(torch.tensor([[m]]), rope_inv_freq(D, 10000.0, None))
+        ck, sk = rope_cos_sin(torch.tensor([[n]]), rope_inv_freq(D, 10000.0, None))
         return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum().item()
 
     base = score(7, 3)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -94,3 +95,32 @@ def test_unarmed_matcher_passes_everything():
     assert m.push("xab", armed=False).text == "xab"
     r = m.push("cab")
     assert (r.text, r.stop) == ("c", "ab")
+
+
+@pytest.fixture(scope="module")
+def spiece():
+    """A Llama-2-style tokenizer: Metaspace, byte fallback (<0xNN> tokens), Strip decoder."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "families"))
+    from family_models import sentencepiece_tokenizer
+
+    return HFTokenizer.from_str(sentencepiece_tokenizer(TEXTS))
+
+
+def test_sentencepiece_stream_is_exact(spiece):
+    tb = TokenBytes(spiece, spiece.get_vocab_size())
+    assert tb.exact
+    rng = random.Random(0)
+    fallbacks = 0
+    for text in TEXTS[:10] + ["a  b\tc\n\n 😀 x", "ÆØÅ ß 한국어 🦀"]:
+        ids = spiece.encode(text).ids
+        fallbacks += sum(spiece.id_to_token(i).startswith("<0x") for i in ids)
+        cuts = [c for c in range(1, len(ids))  # prompts that end on a character boundary
+                if not re.fullmatch(r"<0x[89AB][0-9A-F]>", spiece.id_to_token(ids[c]))]
+        cut = rng.choice(cuts)
+        prompt, gen = ids[:cut], ids[cut:]
+        want = spiece.decode(prompt + gen)[len(spiece.decode(prompt)):]
+        assert "".join(stream(tb, gen)) == want  # the continuation, leading space included
+        assert "".join(stream(tb, ids)).removeprefix(" ") == spiece.decode(ids) == text
+    assert fallbacks > 4  # characters outside the vocabulary went through <0xNN> bytes

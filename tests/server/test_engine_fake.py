@@ -174,3 +174,18 @@ def test_many_threads_submit_at_once(make_engine):
     assert not errors and time.monotonic() - t0 < 10
     for i in range(20):
         assert results[i] == lm.reference([i + 1], 6)
+
+
+def test_every_eos_id_stops(make_engine):
+    """A model with several EOS ids (Llama 3's generation config lists three): each one ends
+    the sequence, and none can be chosen before min_new_tokens."""
+    lm = FakeLM(V)
+    ref = lm.reference([9], 30)
+    firsts = sorted({ref.index(t) for t in ref[4:12]})[:3]
+    ids = [ref[i] for i in firsts]
+    engine, _ = make_engine(lm, eos_ids=ids)
+    toks, fin = _collect(engine.submit(_req([9], 30)))
+    assert toks == ref[:min(ref.index(t) for t in ids) + 1]
+    assert fin.reason is FinishReason.EOS_TOKEN
+    toks, fin = _collect(engine.submit(_req([9], 12, min_new_tokens=12)))
+    assert len(toks) == 12 and not set(toks) & set(ids)

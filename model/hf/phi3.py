@@ -1,0 +1,35 @@
+"""Phi-3 / Phi-3.5: the Llama layout with fused qkv_proj and gate_up_proj, sliding_window on
+every layer, and LongRoPE (``longrope``, formerly ``su``) in the long-context variants."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.model.config import ModelConfig
+
+from .common import LLAMA_KEYS, Support, get_int, layer_windows
+from .llama import base_config, llama_state
+
+PREFIX = "model."
+SUPPORTED = (
+    Support("Phi3ForCausalLM", "phi3", "phi3",
+            "as Llama (no biases) with fused qkv_proj = attn.qkv and gate_up_proj = ffn.w_in, "
+            "sliding_window on every layer, rope_scaling longrope/su (short/long factors, "
+            "original_max_position_embeddings, attention factor; the long factors apply to a "
+            "sequence once its last position is past original_max_position_embeddings; a "
+            "sequence that crosses it while decoding keeps its earlier keys rotated with the "
+            "short factors, where transformers' generate recomputes them)",
+            "partial_rotary_factor != 1, everything refused for Llama"),
+)
+KEYS = {"phi3": LLAMA_KEYS | {"sliding_window", "original_max_position_embeddings",
+                              "resid_pdrop", "embd_pdrop"}}
+
+
+def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig:
+    arch = s.architecture
+    n_layers = get_int(hf, "num_hidden_layers", arch)
+    window, layers = layer_windows(hf, arch, n_layers, hf.get("sliding_window"),
+                                   ["sliding_attention"] * n_layers)
+    return base_config(hf, arch, sliding_window=window, sliding_layers=layers, extra=extra)
+
+
+state = llama_state

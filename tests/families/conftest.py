@@ -1,0 +1,102 @@
+"""One imported, exported and served artifact per family, shared by that family's checks.
+
+The fixture is module-scoped and parametrised by family, so pytest runs every check of one
+family against one server before building the next family's (one export each: dynamo exports
+are the cost here)."""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxscript")
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from family_models import CASES, SPIECE, build, save, sentencepiece_tokenizer  # noqa: E402
+from kvserve_testing import TRAIN_TEXTS, running_app  # noqa: E402
+
+PROMPT = [11, 40, 7, 93, 150, 21, 64, 33, 12, 200, 17, 81]  # 12 tokens: past every window
+FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3_longrope",
+            "smollm3"]
+
+
+@dataclass
+class Served:
+    name: str
+    hf: object  # the transformers model (the reference)
+    hf_dir: Path
+    ckpt: Path
+    artifact: Path
+    eos: list[int]
+    eos_prefix: dict[int, int]  # eos id -> a prefix length of PROMPT after which it is greedy
+    stub: object
+    tokenizer_json: str
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' own cached greedy generate: n tokens and the logits of each step."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, output_logits=True,
+                      return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.logits]
+
+
+@torch.no_grad()
+def pick_eos(hf) -> dict[int, int]:
+    """The generation config's three EOS ids: distinct greedy predictions after prefixes of
+    PROMPT, so that each one is reached (``PROMPT[:k]`` -> that id) and must stop generation.
+    Returns {eos id: prefix length}."""
+    nxt = hf(torch.tensor([PROMPT])).logits[0].argmax(-1).tolist()  # after PROMPT[:k+1]
+    out: dict[int, int] = {}
+    for k, t in enumerate(nxt):
+        if t not in out and t > 2:
+            out[t] = k + 1
+    assert len(out) >= 3, f"greedy predictions too repetitive: {nxt}"
+    return dict(list(out.items())[:3])
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _setup():
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    import grpc
+
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.hf_import import import_hf
+    from kvserve.model.tokenizer import train_bpe
+    from kvserve.v1 import inference_pb2_grpc
+
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    hf = build(name)
+    tok = sentencepiece_tokenizer(TRAIN_TEXTS) if name in SPIECE else \
+        train_bpe(TRAIN_TEXTS, vocab_size=CASES[name][1]["vocab_size"]).to_str()
+    eos_prefix = pick_eos(hf)
+    eos = list(eos_prefix)
+    hf_dir = save(hf, root / "hf", tokenizer_json=tok, eos=eos)
+    ckpt = import_hf(hf_dir, root / "ckpt")
+    art = export_artifacts(ckpt, root / "art", attention=False, progress=False, threads=1)
+
+    class _A:  # what running_app needs
+        dir = art
+
+    with running_app(_A, max_batch=4) as app:
+        ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
+        grpc.channel_ready_future(ch).result(timeout=10)
+        yield Served(name, hf, hf_dir, ckpt, art, eos, eos_prefix,
+                     inference_pb2_grpc.InferenceStub(ch), tok)
+        ch.close()
