@@ -1,4 +1,5 @@
-"""``kvserve export CKPT --out ARTIFACTS``."""
+"""``kvserve export CKPT --out ARTIFACTS``. The exporter (torch) is imported only when the
+command runs, so ``kvserve export --help`` answers at once."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .pipeline import PRECISIONS, export_artifacts
+# == pipeline.PRECISIONS (tests/test_cli_startup.py checks); not imported from there: torch
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 def add_arguments(parser) -> None:
@@ -38,6 +40,7 @@ def main(args) -> int:
     for name in ("onnx_ir", "onnxscript"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from .parity import ParityError
+    from .pipeline import export_artifacts
     from .precision import PrecisionError
 
     try:

@@ -14,9 +14,9 @@ import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("kvserve.model.train", "train a model (default: the `small` preset on the "
+    "train": ("kvserve.model.train_cli", "train a model (default: the `small` preset on the "
                                      "Python stdlib sources)"),
-    "import-hf": ("kvserve.model.hf_import", "convert a local Hugging Face GPT-2/Llama "
+    "import-hf": ("kvserve.model.hf_import_cli", "convert a local Hugging Face GPT-2/Llama "
                                              "directory into a kvserve checkpoint"),
     "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
                                      "parity gate and a manifest"),

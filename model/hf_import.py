@@ -13,14 +13,10 @@ loaded back and compared tensor by tensor with what was converted.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
 import re
-import sys
-import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, model_state, save_checkpoint
 from .config import ModelConfig
+from .hf_support import SUPPORTED, Support, supported_table  # noqa: F401 (re-exported)
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -46,58 +43,8 @@ class UnsupportedModelError(HFImportError):
     """The architecture or one of its options is outside what kvserve reproduces exactly."""
 
 
-# --- what is supported -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Support:
-    architecture: str
-    model_type: str
-    family: str  # the mapper used
-    maps_to: str
-    refused: str
-
-
-SUPPORTED: tuple[Support, ...] = (
-    Support("GPT2LMHeadModel", "gpt2", "gpt2",
-            "positions=learned, layernorm (layer_norm_epsilon), pre-norm + final norm, "
-            "ffn gelu_tanh (gelu_new, gelu_pytorch_tanh) | gelu | relu, all biases, "
-            "Conv1D weights transposed, fused c_attn = attn.qkv, tied or untied head",
-            "scale_attn_weights=false, scale_attn_by_inverse_layer_idx, "
-            "reorder_and_upcast_attn, add_cross_attention, pruned_heads, n_ctx != n_positions, "
-            "other activation_function values"),
-    Support("LlamaForCausalLM", "llama", "llama",
-            "positions=rope (rope_theta, default type only), rmsnorm (rms_norm_eps), "
-            "ffn swiglu (w_in = [gate; up]), attn.qkv = [q; k; v], MHA/GQA/MQA, "
-            "attention_bias -> qkv_bias+out_bias, mlp_bias -> ffn_bias, tied or untied head",
-            "rope_scaling (any non-null), rope types other than default, "
-            "head_dim != hidden_size/num_attention_heads, hidden_act other than silu"),
-    Support("MistralForCausalLM", "mistral", "llama",
-            "as Llama (no biases)",
-            "sliding_window < max_position_embeddings, plus everything refused for Llama"),
-    Support("Qwen2ForCausalLM", "qwen2", "llama",
-            "as Llama with qkv_bias=true, out_bias=false",
-            "use_sliding_window=true, layer_types other than full_attention, "
-            "plus everything refused for Llama"),
-)
 _BY_ARCH = {s.architecture: s for s in SUPPORTED}
 _BY_TYPE = {s.model_type: s for s in SUPPORTED}
-
-
-def supported_table() -> str:
-    lines = ["supported Hugging Face architectures (anything else is refused):"]
-    def wrap(label: str, text: str) -> list[str]:
-        return textwrap.wrap(text, width=92, initial_indent=f"      {label}: ",
-                             subsequent_indent=" " * 15)
-
-    for s in SUPPORTED:
-        lines += [f"  {s.architecture} (model_type {s.model_type})",
-                  *wrap("maps to", s.maps_to), *wrap("refused", s.refused)]
-    lines += textwrap.wrap("all: weights from *.safetensors only (sharded via "
-                           "model.safetensors.index.json; pickle .bin/.pt refused); "
-                           "quantization_config and unknown config.json keys are refused "
-                           "(--allow-unknown-config-keys to override the latter); output "
-                           "weights are float32", width=92, initial_indent="  ",
-                           subsequent_indent="       ")
-    return "\n".join(lines)
 
 
 # Config keys that do not change the function computed at inference (dropouts, init, generation
@@ -579,29 +526,3 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
              src_dir, cfg.extra["hf_architecture"], len(tensors), len(files),
              model.num_parameters() / 1e6, out)
     return out
-
-
-# --- CLI ---------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = supported_table()
-    parser.add_argument("hf_dir", metavar="HF_DIR",
-                        help="local Hugging Face model directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, metavar="CKPT",
-                        help="kvserve checkpoint directory to write")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing checkpoint at --out")
-    parser.add_argument("--allow-unknown-config-keys", action="store_true",
-                        help="warn about, instead of refusing, config.json keys import-hf "
-                             "does not know")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        out = import_hf(args.hf_dir, args.out, overwrite=args.overwrite,
-                        allow_unknown_keys=args.allow_unknown_config_keys)
-    except (HFImportError, OSError) as e:
-        print(f"kvserve import-hf: error: {e}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0
