@@ -1,6 +1,6 @@
 """Decode step cost against position, and what attention diagnostics cost (a script).
 
-    python bench/decode_cost.py [--threads N] [--steps 200] [--out bench/results/decode_cost.json]
+    python bench/decode_cost.py [--threads N] [--steps 200] [--out FILE | --update-committed]
     python -m kvserve.bench.decode_cost ...   (the same)
 
 The export issue asks for two things, measured here on a random-init ``small`` preset model
@@ -45,7 +45,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "bench" / "results" / "decode_cost.json"
+COMMITTED = REPO / "bench" / "results"  # written only with --update-committed
 TARGET_RATIO = 1.3
 
 
@@ -276,8 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile the plain decode step per operator at the first and "
                          "last position")
-    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="results JSON (default: a new .bench/results/decode_cost-<UTC time>.json)")
+    ap.add_argument("--update-committed", action="store_true",
+                    help="write the committed bench/results/decode_cost.json "
+                         "(decode_cost_threads<N>.json with --threads N)")
     args = ap.parse_args(argv)
+    if args.update_committed and args.out:
+        ap.error("--out and --update-committed exclude each other")
     positions = sorted(args.positions)
 
     from kvserve.model.config import ModelConfig
@@ -312,7 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     if prof is not None:
         result["profile_ms_per_step_by_op"] = prof
-    out = Path(args.out)
+    if args.update_committed:
+        out = COMMITTED / (f"decode_cost_threads{args.threads}.json" if args.threads
+                           else "decode_cost.json")
+    elif args.out:
+        out = Path(args.out)
+    else:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        out = REPO / ".bench" / "results" / f"decode_cost-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
 
