@@ -47,6 +47,6 @@ def test_warm_up_requests_are_not_counted(artifact):
         body = urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_server.port}/metrics",
                                       timeout=10).read().decode()
     samples = [line for line in body.splitlines() if line and not line.startswith("#")]
-    for name in ("kvserve_requests_total", "kvserve_prompt_tokens_total", "kvserve_generated_tokens_total",
-                 "kvserve_time_to_first_token_seconds_count"):
+    for name in ("kvserve_requests_total", "kvserve_prompt_tokens_total",
+                 "kvserve_generated_tokens_total", "kvserve_time_to_first_token_seconds_count"):
         assert [s for s in samples if s.split()[0] == name] in ([], [f"{name} 0"])
