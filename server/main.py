@@ -31,6 +31,7 @@ def check_port(host: str, port: int, flag: str = "port") -> None:
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    failed: list[str] = []
     for family, type_, proto, _, addr in infos:
         with socket.socket(family, type_, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own listener
@@ -41,8 +42,9 @@ def check_port(host: str, port: int, flag: str = "port") -> None:
                     raise OSError(f"port {port} on {host} is already in use (another server?): "
                                   f"choose another with --{flag} (env {env}), or 0 for any "
                                   f"free port") from None
-                raise OSError(f"cannot listen on {host}:{port} (--{flag}): "
-                              f"{e.strerror or e}") from None
+                failed.append(e.strerror or str(e))  # e.g. ::1 on a host without IPv6
+    if failed and len(failed) == len(infos):
+        raise OSError(f"cannot listen on {host}:{port} (--{flag}): {failed[0]}")
 
 
 def main(args: argparse.Namespace) -> int:
