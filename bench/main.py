@@ -1,11 +1,14 @@
 """``kvserve bench``: build (or reuse) the benchmark models, run every runner in its own process,
-write ``bench/results/<size>.json``, ``bench/results/README-table.md`` and the README section
-between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+write ``<size>.json`` and ``README-table.md`` into a results directory, and print the tables.
 
-  kvserve bench                 full run (6M, 100M, small; ~20-25 min on 2 cores)
-  kvserve bench --quick         6M only, fewer tokens; writes .bench/quick/ (not the README)
-  kvserve bench --render-only   rebuild the tables and the README section from the JSON
-  kvserve bench --profile       profile the decode loop -> bench/results/profile.md
+  kvserve bench                     full run (6M, 100M, small; ~11 min on 2 cores) into a new
+                                    .bench/results/<UTC time>/ (nothing committed is touched)
+  kvserve bench --quick             6M only, fewer tokens: .bench/results/<UTC time>-quick/
+  kvserve bench --results DIR       into DIR
+  kvserve bench --update-committed  into bench/results/, and the README section between
+                                    ``<!-- bench:start -->`` and ``<!-- bench:end -->``
+  kvserve bench --render-only [--update-committed]   tables from existing results
+  kvserve bench --profile           profile the decode loop -> profile.md in the results dir
 """
 from __future__ import annotations
 
