@@ -162,6 +162,11 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(artifact, tmp_path):
 
         assert wait_for(lambda: accepted() == len(calls), 10)  # every call reached the server
         proc.send_signal(signal.SIGTERM)
+        # the drain has begun once health says NOT_SERVING (a call sent before the server's
+        # main thread handled the signal would be queued like any other)
+        h = health_pb2_grpc.HealthStub(ch)
+        assert wait_for(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                        == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         with pytest.raises(grpc.RpcError) as e:
             collect(stub.Generate(gen_request("y", 2), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
