@@ -53,7 +53,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
 
 import numpy as np  # noqa: E402
 
-from kvserve.bench.common import CACHE, cpu_model  # noqa: E402
+from kvserve.bench.common import CACHE, RESULTS, cpu_model  # noqa: E402
 
 TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
 PLAIN, ASKED = "plain", "attention"
@@ -378,7 +378,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=200)
     ap.add_argument("--out", default=None, help="results directory (or .json file path); "
                     "default: a fresh directory under .bench/decode_cost/")
+    ap.add_argument("--update-committed", action="store_true",
+                    help="write the committed bench/results/decode_cost.{json,md}")
     args = ap.parse_args(argv)
+    if args.update_committed and args.out:
+        ap.error("--out and --update-committed exclude each other")
+    if args.update_committed:
+        args.out = str(RESULTS)
     for name in ("steps", "warmup", "block", "profile_steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")

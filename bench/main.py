@@ -1,12 +1,15 @@
 """``kvserve bench``: build (or reuse) the benchmark models, run every runner in its own process,
-write ``bench/results/<size>.json``, ``bench/results/README-table.md`` and the README section
-between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+write ``<size>.json`` and ``README-table.md`` into a results directory, and print the tables.
 
-  kvserve bench                 full run (6M, 100M, small; ~20-25 min on 2 cores)
-  kvserve bench --quick         6M only, fewer tokens; writes .bench/quick/ (not the README)
-  kvserve bench --render-only   rebuild the tables and the README section from the JSON
-  kvserve bench --profile       profile the decode loop -> bench/results/profile.md
-  kvserve bench --provider cuda the CUDA check (bench/cuda_check.py) -> <results>/cuda.json
+  kvserve bench                     full run (6M, 100M, small) into a new
+                                    .bench/results/<UTC time>/ (nothing committed is touched)
+  kvserve bench --quick             6M only, fewer tokens: .bench/results/<UTC time>-quick/
+  kvserve bench --results DIR       into DIR
+  kvserve bench --update-committed  into bench/results/, and the README section between
+                                    ``<!-- bench:start -->`` and ``<!-- bench:end -->``
+  kvserve bench --render-only [--update-committed]   tables from existing results
+  kvserve bench --profile           profile the decode loop -> profile.md in the results dir
+  kvserve bench --provider cuda     the CUDA check (bench/cuda_check.py) -> cuda.json
 """
 from __future__ import annotations
 
@@ -26,24 +29,31 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
-                        help="6M model only, fewer tokens (development); results go to "
-                             ".bench/quick unless --results is given")
+                        help="6M model only, fewer tokens (development)")
     parser.add_argument("--sizes", default=None,
                         help="comma-separated: bench-6m,bench-100m,small (default: all; "
                              "--quick: bench-6m)")
     parser.add_argument("--runners", default=None,
                         help="comma-separated subset: engine,loop,engine_int8,genai,torch,hf,"
                              "grpc")
-    parser.add_argument("--results", default=None, help="results directory (default "
-                        "bench/results, or .bench/quick with --quick)")
+    parser.add_argument("--results", default=None, metavar="DIR",
+                        help="where the results JSON and README-table.md go (default: a new "
+                             "directory .bench/results/<UTC time>[-quick] under --cache); with "
+                             "--render-only: the results to render (default bench/results)")
+    parser.add_argument("--update-committed", action="store_true",
+                        help="write the committed results (bench/results) and the README "
+                             "section between the bench markers; without it neither is "
+                             "touched")
     parser.add_argument("--cache", default=str(CACHE),
                         help="where built models live (reused by later runs)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
     parser.add_argument("--render-only", action="store_true",
-                        help="no measurement: rebuild README-table.md and the README section "
-                             "from the results JSON")
-    parser.add_argument("--no-readme", action="store_true", help="do not touch README.md")
+                        help="no measurement: print the tables of existing results (with "
+                             "--update-committed: rebuild bench/results/README-table.md and "
+                             "the README section from bench/results/*.json)")
+    parser.add_argument("--no-readme", action="store_true",
+                        help="with --update-committed: results only, README.md untouched")
     parser.add_argument("--wait-load", type=float, default=0.0, metavar="CORES",
                         help="before each runner, wait (at most --wait-max seconds) until "
                              "other processes use less than CORES cores (0 = do not wait); "
@@ -227,26 +237,47 @@ def _steady(loop: dict | None) -> float | None:
     return 1000.0 / ms if ms else None
 
 
-def render_all(results_dir: Path, readme: Path | None) -> str:
+def choose_results_dir(args: argparse.Namespace) -> Path:
+    """Where this invocation writes (or, with --render-only, reads) results. The committed
+    bench/results only with --update-committed (or when named with --results)."""
+    if args.update_committed:
+        if args.results and Path(args.results).resolve() != RESULTS.resolve():
+            raise SystemExit("kvserve bench: --update-committed writes bench/results; drop "
+                             "--results (or drop --update-committed)")
+        return RESULTS
+    if args.results:
+        return Path(args.results)
+    if args.render_only:
+        return RESULTS
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path(args.cache) / "results" / (stamp + ("-quick" if args.quick else ""))
+
+
+def render_all(results_dir: Path, readme: Path | None, write_table: bool = True) -> str:
     from .report import load_results, render, update_readme
 
     results = load_results(results_dir)
     if not results:
         raise SystemExit(f"kvserve bench: no results in {results_dir}")
     section = render(results)
-    (results_dir / "README-table.md").write_text(section + "\n")
+    if write_table:
+        (results_dir / "README-table.md").write_text(section + "\n")
     if readme is not None:
         update_readme(readme, section)
     return section
 
 
 def main(args: argparse.Namespace) -> int:
-    results_dir = Path(args.results) if args.results else \
-        (Path(args.cache) / "quick" if args.quick else RESULTS)
-    readme = None if (args.no_readme or (args.quick and not args.results)) else README
-    if args.render_only:
-        print(render_all(results_dir, readme))
+    out = choose_results_dir(args)
+    committed = out.resolve() == RESULTS.resolve()
+    readme = README if args.update_committed and not args.no_readme else None
+    if args.render_only:  # committed files are rewritten only when asked
+        print(render_all(out, readme, write_table=args.update_committed or not committed))
         return 0
+    log.info("results go to %s%s", out, "" if committed else
+             " (the committed bench/results and README are untouched; --update-committed "
+             "writes them)")
+    args.results = str(out)
     if args.profile:
         from .profile import main as profile_main
 
@@ -255,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
         from .cuda_check import run as cuda_check
 
         return cuda_check(args.sizes or "bench-6m", Path(args.cache), args.threads,
-                          results_dir / "cuda.json")
+                          out / "cuda.json")
     sizes = args.sizes.split(",") if args.sizes else \
         (["bench-6m"] if args.quick else ["bench-6m", "bench-100m", "small"])
     t0 = time.perf_counter()
@@ -264,8 +295,9 @@ def main(args: argparse.Namespace) -> int:
         log.warning("load average %.2f >= 1.0: timings will be noisy (the JSON records it)",
                     loadavg())
     for name in sizes:
-        run_size(name, args, results_dir)
-    print(render_all(results_dir, readme))
+        run_size(name, args, out)
+    print(render_all(out, readme))
+    print(f"results: {out}" + ("" if readme else "; README.md untouched"))
     log.info("bench done in %.0fs; load average after: %.2f", time.perf_counter() - t0,
              loadavg())
     return 0

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from .client import TokenEvent
+if TYPE_CHECKING:
+    from .client import TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,21 @@ def _label(s: str, limit: int = 12) -> str:
     return s if len(s) <= limit else s[:limit - 1] + "…"
 
 
+def require_matplotlib() -> None:
+    """Raise ImportError with the install hint when matplotlib is missing (checked before a
+    generation is started, so a missing package never costs the run)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError("--attention needs matplotlib: pip install 'kvserve[viz]'")
+
+
 def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Sequence[str],
                      prompt_len: int) -> Path:
     """Draw the heatmaps to ``path`` (PNG). ``labels``: the text of every token, prompt then
     generated."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError("--attention needs matplotlib: pip install 'kvserve[viz]'") from None
+    require_matplotlib()
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from typing import TYPE_CHECKING
 
-from .client import Client, KvserveError, RetryPolicy
+if TYPE_CHECKING:  # the client (grpc) is imported when a command runs, not for --help
+    from .client import Client
 
 TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 
@@ -13,8 +16,8 @@ TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float = 60.0,
                              retries: int = 3) -> None:
     g = parser.add_argument_group("connection")
-    g.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of a kvserve server "
-                                                               "(default %(default)s)")
+    g.add_argument("--server", default="127.0.0.1:50051", type=server_address,
+                   help="HOST:PORT of a kvserve server (default %(default)s)")
     g.add_argument("--token", default=None,
                    help=f"bearer token (prefer the env var {TOKEN_ENV}, which is used when the "
                         f"flag is absent)")
@@ -30,7 +33,22 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float 
                         "and jitter (default %(default)s)")
 
 
+def server_address(value: str) -> str:
+    """``--server``: HOST:PORT (``[v6]:PORT``), or a gRPC target with a scheme
+    (``unix:/path``, ``dns:///host:port``); a bare port or host is refused with a hint."""
+    v = value.strip()
+    if v.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return v
+    m = re.fullmatch(r"(\[[^\]]+\]|[^:\s]+):(\d{1,5})", v)
+    if m is None or not 0 < int(m.group(2)) <= 65535:
+        hint = f"localhost:{v}" if v.isdigit() else f"{v or 'localhost'}:50051"
+        raise argparse.ArgumentTypeError(f"HOST:PORT expected, got {value!r} (e.g. {hint})")
+    return v
+
+
 def client_from_args(args: argparse.Namespace, **kw) -> Client:
+    from .client import Client, RetryPolicy
+
     policy = kw.pop("retry", None) or RetryPolicy(max_attempts=max(0, args.retries) + 1)
     return Client(args.server, token=args.token or os.environ.get(TOKEN_ENV) or None,
                   tls_ca=args.tls_ca, tls=args.tls, server_name=args.tls_server_name,
@@ -40,6 +58,8 @@ def client_from_args(args: argparse.Namespace, **kw) -> Client:
 
 def fail(command: str, e: BaseException) -> int:
     """Print ``kvserve COMMAND: CODE: message`` on one line; return the exit status."""
+    from .client import KvserveError
+
     if isinstance(e, KvserveError):
         msg = e.one_line()
     else:

@@ -14,10 +14,12 @@ import logging
 import math
 import sys
 from dataclasses import asdict
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from .client import Completion, KvserveError, TokenEvent
 from .common import add_connection_arguments, client_from_args, fail
+
+if TYPE_CHECKING:  # grpc and the client load when the command runs, not for --help
+    from .client import Completion, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ def _request_options(args: argparse.Namespace) -> dict:
 
 def event_json(ev: TokenEvent | Completion) -> dict:
     """The JSON form of an event (attention weights and logits are left out: see --attention)."""
+    from .client import TokenEvent
+
     d = asdict(ev)
     d.pop("attention", None)
     d.pop("logits", None)
@@ -128,6 +132,14 @@ def logprob_table(tokens: list[TokenEvent], n_top: int) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from .client import KvserveError, TokenEvent
+
+    if args.attention:
+        from .attention import require_matplotlib
+        try:
+            require_matplotlib()  # before the generation runs, not after
+        except ImportError as e:
+            return fail("generate", e)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     out: TextIO = sys.stdout
     try:

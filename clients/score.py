@@ -34,12 +34,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-import grpc
-
-from .client import Client, KvserveError, RetryPolicy, ScoreResult, corpus_perplexity
 from .common import add_connection_arguments, client_from_args, fail
+
+if TYPE_CHECKING:  # grpc and the client load when the command runs, not for --help
+    from .client import Client, ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,8 @@ def empty_record(item: Item, per_token: bool) -> dict:
 
 
 def summarize(records: Sequence[dict]) -> dict:
+    from .client import corpus_perplexity
+
     ok = [r for r in records if "error" not in r]
     total = sum(float(r.get("sum_logprob") or 0.0) for r in ok)
     tokens = sum(int(r.get("scored_tokens") or 0) for r in ok)
@@ -184,6 +186,10 @@ def batches(items: Sequence[Item], size: int) -> Iterator[list[Item]]:
 def score_batch(client: Client, batch: list[Item], per_token: bool) -> list[dict]:
     """Records for ``batch``. INVALID_ARGUMENT splits the batch until the refused text is alone,
     which then gets an error record. Retries (transient errors) happen inside the client."""
+    import grpc
+
+    from .client import KvserveError
+
     todo = [it for it in batch if it.text]
     out = {it.key: empty_record(it, per_token) for it in batch if not it.text}
     if todo:
@@ -215,15 +221,18 @@ def run(client: Client, items: Sequence[Item], out: Path, *, batch_size: int, co
     for this run; raises KvserveError (after writing every finished batch) on a fatal error."""
     from tqdm import tqdm
 
+    from .client import KvserveError
+
     done = repair_and_read_done(out)
     todo = [it for it in items if it.key not in done]
     stats = {"input": len(items), "resumed": len(items) - len(todo), "written": 0, "errors": 0}
     if not todo:
         return stats
     concurrency = max(1, concurrency)
-    bar = tqdm(total=len(todo), unit="text", disable=(None if progress else True),
+    # progress: True = always, False = never, None = when stderr is a terminal (tqdm's None)
+    bar = tqdm(total=len(todo), unit="text", disable=None if progress is None else not progress,
                file=sys.stderr, dynamic_ncols=True)
-    fatal: KvserveError | None = None
+    fatal: Any = None  # the first KvserveError
     with out.open("a", encoding="utf-8") as f, \
             cf.ThreadPoolExecutor(concurrency, thread_name_prefix="score") as pool:
         pending: set[cf.Future] = set()
@@ -263,6 +272,8 @@ def run(client: Client, items: Sequence[Item], out: Path, *, batch_size: int, co
 
 
 def main(args: argparse.Namespace) -> int:
+    from .client import KvserveError, RetryPolicy
+
     inp, out = Path(args.input), Path(args.out)
     if args.batch_size < 1 or args.concurrency < 1:
         return fail("score", ValueError("--batch-size and --concurrency must be >= 1"))

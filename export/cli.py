@@ -1,4 +1,5 @@
-"""``kvserve export CKPT --out ARTIFACTS``."""
+"""``kvserve export CKPT --out ARTIFACTS``. The exporter (torch) is imported only when the
+command runs, so ``kvserve export --help`` answers at once."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from kvserve.artifact.manifest import MANIFEST
 
-from .pipeline import PRECISIONS, export_artifacts
+# == pipeline.PRECISIONS (tests/test_cli_startup.py checks); not imported from there: torch
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 def add_arguments(parser) -> None:
@@ -38,13 +40,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
 
 
-def main(args) -> int:
+def _quiet_quantizer(record: logging.LogRecord) -> bool:
+    """Drop onnxruntime.quantization's records below WARNING."""
+    path = record.pathname.replace("\\", "/")
+    return record.levelno >= logging.WARNING or "/onnxruntime/quantization/" not in path
+
+
+def quiet_exporter_logs() -> None:
+    """Keep the libraries' narration out of the terminal (the CLI's logging setup)."""
     # The exporter logs a warning per optional torchvision op; users need none of them.
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     # the exporter's graph passes narrate every rewrite at INFO
     for name in ("onnx_ir", "onnxscript"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # onnxruntime's quantizer logs INFO lines per tensor (~100 for --precision int8) through
+    # the root logger itself (logging.info), so no logger level reaches it: filter its records
+    logging.getLogger().addFilter(_quiet_quantizer)
+
+
+def main(args) -> int:
+    quiet_exporter_logs()
     from .parity import ParityError
+    from .pipeline import export_artifacts
     from .precision import PrecisionError
 
     try:

@@ -14,11 +14,11 @@ import os
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("kvserve.model.train", "train a model (default: the `small` preset on the "
+    "train": ("kvserve.model.train_cli", "train a model (default: the `small` preset on the "
                                      "Python stdlib sources)"),
-    "import-hf": ("kvserve.model.hf_import", "convert a local Hugging Face directory (GPT-2, "
-                                             "Llama, Mistral, Qwen, Gemma, Phi-3, SmolLM) into "
-                                             "a kvserve checkpoint"),
+    "import-hf": ("kvserve.model.hf_import_cli", "convert a local Hugging Face directory (GPT-2, "
+                                                 "Llama, Mistral, Qwen, Gemma, Phi-3, SmolLM) "
+                                                 "into a kvserve checkpoint"),
     "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
                                      "parity gate and a manifest"),
     "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),

@@ -19,11 +19,8 @@ loaded back and compared tensor by tensor with what was converted.
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import logging
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,38 +31,15 @@ from .config import ModelConfig
 from .hf import FAMILIES
 from .hf.common import (HFImportError, Source, Support, UnsupportedModelError,  # noqa: F401
                         common_checks)
+from .hf_support import SUPPORTED, supported_table  # noqa: F401 (re-exported)
 from .hf.files import (check_dir, generation_settings, read_generation_config,  # noqa: F401
                        read_hf_config, read_tensors, side_files, weight_files)
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
 
-SUPPORTED: tuple[Support, ...] = tuple(s for f in FAMILIES.values() for s in f.SUPPORTED)
 _BY_ARCH = {s.architecture: s for s in SUPPORTED}
 _BY_TYPE = {s.model_type: s for s in SUPPORTED}
-
-
-def supported_table() -> str:
-    lines = ["supported Hugging Face architectures (anything else is refused):"]
-
-    def wrap(label: str, text: str) -> list[str]:
-        return textwrap.wrap(text, width=92, initial_indent=f"      {label}: ",
-                             subsequent_indent=" " * 15)
-
-    for s in SUPPORTED:
-        lines += [f"  {s.architecture} (model_type {s.model_type}, mapper "
-                  f"kvserve.model.hf.{s.family})",
-                  *wrap("maps to", s.maps_to), *wrap("refused", s.refused)]
-    lines += textwrap.wrap("all: weights from *.safetensors only (sharded via "
-                           "model.safetensors.index.json; pickle .bin/.pt refused); "
-                           "quantization_config and unknown config.json keys are refused "
-                           "(--allow-unknown-config-keys to override the latter); output "
-                           "weights are float32; generation_config.json eos ids (all of them) "
-                           "and sampling defaults are recorded; tokenizer.json, "
-                           "tokenizer_config.json, special_tokens_map.json and chat templates "
-                           "are copied", width=92, initial_indent="  ",
-                           subsequent_indent="       ")
-    return "\n".join(lines)
 
 
 def identify(hf: dict[str, Any]) -> Support:
@@ -89,23 +63,6 @@ def identify(hf: dict[str, Any]) -> Support:
         raise UnsupportedModelError(f"{arch} with model_type {model_type!r} (expected "
                                     f"{s.model_type!r})")
     return s
-
-
-def map_config(hf: dict[str, Any], allow_unknown_keys: bool = False) -> ModelConfig:
-    s = identify(hf)
-    _common_checks(hf, s.architecture, s.model_type, allow_unknown_keys)
-    extra: dict[str, Any] = {"imported_from": s.model_type, "hf_architecture": s.architecture}
-    if "transformers_version" in hf:
-        extra["hf_transformers_version"] = hf["transformers_version"]
-    try:
-        if s.family == "gpt2":
-            return gpt2_config(hf, s.architecture, extra)
-        return llama_config(hf, s.architecture, s.model_type, extra)
-    except ValueError as e:
-        if isinstance(e, HFImportError):
-            raise
-        raise HFImportError(f"{s.architecture}: the kvserve config cannot express this model: "
-                            f"{e}") from None
 
 
 def map_config(hf: dict[str, Any], allow_unknown_keys: bool = False,
@@ -205,29 +162,3 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
              src_dir, cfg.extra["hf_architecture"], len(tensors), len(files),
              model.num_parameters() / 1e6, out)
     return out
-
-
-# --- CLI ---------------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = supported_table()
-    parser.add_argument("hf_dir", metavar="HF_DIR",
-                        help="local Hugging Face model directory (config.json + safetensors)")
-    parser.add_argument("--out", required=True, metavar="CKPT",
-                        help="kvserve checkpoint directory to write")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing checkpoint at --out")
-    parser.add_argument("--allow-unknown-config-keys", action="store_true",
-                        help="warn about, instead of refusing, config.json keys import-hf "
-                             "does not know")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        out = import_hf(args.hf_dir, args.out, overwrite=args.overwrite,
-                        allow_unknown_keys=args.allow_unknown_config_keys)
-    except (HFImportError, OSError) as e:
-        print(f"kvserve import-hf: error: {e}", file=sys.stderr)
-        return 1
-    print(out)
-    return 0

@@ -46,9 +46,10 @@ from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from . import data as D  # noqa: E402
 from .checkpoint import TOKENIZER, load_model, model_state, save_checkpoint  # noqa: E402
 from .config import PRESETS, ModelConfig, preset  # noqa: E402
-from .corpus import DEFAULT_MAX_BYTES, stdlib_sources  # noqa: E402
+from .corpus import stdlib_sources  # noqa: E402
 from .generate import generate  # noqa: E402
 from .tokenizer import Tokenizer, train_bpe  # noqa: E402
+from .train_cli import DEFAULTS, MAX_STEPS_LIMIT, RUN_HPARAMS  # noqa: E402
 from .transformer import Transformer  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -58,73 +59,6 @@ STATE = "train_state.json"
 METRICS = "metrics.jsonl"
 STATE_VERSION = 1
 ERROR_MARK = "\0error:"
-
-# Defaults, applied after parsing so that --resume can tell which flags were given.
-DEFAULTS: dict[str, Any] = dict(
-    preset="small", data=None, text_field="text", val_fraction=0.05, vocab_size=None,
-    out="runs/default", cache_dir=None, corpus_bytes=DEFAULT_MAX_BYTES,
-    max_steps=800, max_minutes=6.0, stop_at_step=None,
-    batch_size=16, seq_len=128, grad_accum=1,
-    lr=3e-3, min_lr=3e-4, warmup_steps=50, weight_decay=0.1, grad_clip=1.0,
-    eval_every=200, eval_batches=8, seed=1337, threads=None, device="auto",
-    sample_prompt="def fibonacci(n):\n", sample_tokens=64,
-)
-# Fixed for the life of a run: taken from train_state.json on --resume.
-RUN_HPARAMS = ("preset", "data", "text_field", "val_fraction", "vocab_size", "corpus_bytes",
-               "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
-               "weight_decay", "grad_clip", "eval_batches", "seed")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
-    a = p.add_argument
-    a("--preset", choices=sorted(PRESETS), help=f"model shape (default {d['preset']})")
-    a("--data", nargs="+", metavar="PATH", help="text files, directories (recursive), globs or "
-      "JSONL files (default: the Python stdlib sources of this machine)")
-    a("--text-field", help=f"JSONL field holding the text (default {d['text_field']!r})")
-    a("--val-fraction", type=float, help="fraction of documents held out for validation, "
-      f"chosen by a hash of each document (default {d['val_fraction']})")
-    a("--vocab-size", type=int, help="BPE vocabulary size (default: the preset's)")
-    a("--out", help=f"checkpoint directory (default {d['out']})")
-    a("--cache-dir", help="where tokenizers and token files are cached (default: "
-      "<out>/../.kvserve-cache)")
-    a("--corpus-bytes", type=int, help="cap on the default stdlib corpus (default "
-      f"{d['corpus_bytes']})")
-    a("--max-steps", type=int, help="optimizer steps of the run; the cosine schedule ends "
-      f"here (default {d['max_steps']})")
-    a("--max-minutes", type=float, help="wall-clock budget of this invocation, data prep "
-      f"included; stops early and saves (default {d['max_minutes']})")
-    a("--stop-at-step", type=int, help="stop this invocation at this step and save (the "
-      "schedule still targets --max-steps; continue with --resume)")
-    a("--batch-size", type=int, help=f"rows per micro-batch per process (default "
-      f"{d['batch_size']})")
-    a("--seq-len", type=int, help=f"tokens per row (default {d['seq_len']})")
-    a("--grad-accum", type=int, help=f"micro-batches per step (default {d['grad_accum']})")
-    a("--lr", type=float, help=f"peak learning rate (default {d['lr']})")
-    a("--min-lr", type=float, help=f"final learning rate of the cosine (default {d['min_lr']})")
-    a("--warmup-steps", type=int, help=f"linear warmup steps (default {d['warmup_steps']})")
-    a("--weight-decay", type=float, help="AdamW weight decay on matrices (default "
-      f"{d['weight_decay']}; none on norms, biases, embeddings)")
-    a("--grad-clip", type=float, help=f"max global grad norm, 0 = off (default {d['grad_clip']})")
-    a("--eval-every", type=int, help=f"steps between validation + checkpoint (default "
-      f"{d['eval_every']})")
-    a("--eval-batches", type=int, help=f"validation batches (default {d['eval_batches']})")
-    a("--seed", type=int, help=f"seed of init and data order (default {d['seed']})")
-    a("--resume", action="store_true", help="continue the run saved in --out")
-    a("--threads", type=int, help="torch threads per process (default: cores / local procs)")
-    a("--device", choices=("auto", "cpu", "cuda"), help="default auto (cuda when available)")
-    a("--sample-prompt", help="prompt of the final greedy sample")
-    a("--sample-tokens", type=int, help=f"tokens of the final sample, 0 = none (default "
-      f"{d['sample_tokens']})")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        return Trainer(args).run()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"kvserve train: error: {e}", file=sys.stderr)
-        return 2
-
 
 # --- distributed ----------------------------------------------------------------------------
 @dataclass
@@ -207,7 +141,8 @@ def optimizer_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str,
 
 def load_optimizer_tensors(model: nn.Module, opt: torch.optim.Optimizer,
                            tensors: dict[str, torch.Tensor]) -> None:
-    for name, p in model.named_parameters():
+    fresh = not any(k != "__rng__.torch" for k in tensors)  # saved before the first step
+    for name, p in ([] if fresh else model.named_parameters()):
         st = {}
         for key in ("step", "exp_avg", "exp_avg_sq"):
             k = f"{name}.{key}"
@@ -298,6 +233,7 @@ class Trainer:
             if given["max_steps"] is None:
                 hp["max_steps"] = self.saved["hparams"]["max_steps"]
         self.hp = argparse.Namespace(**hp)
+        self.cut: dict[str, Any] | None = None  # set when --max-minutes stops the run early
         self._validate()
 
     def _validate(self) -> None:
@@ -306,8 +242,12 @@ class Trainer:
                   "eval_batches"):
             if getattr(h, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1")
-        if h.warmup_steps < 0 or h.lr <= 0 or h.min_lr < 0 or h.max_minutes <= 0:
-            raise ValueError("--warmup-steps/--min-lr must be >= 0; --lr, --max-minutes > 0")
+        if h.warmup_steps < 0 or h.lr <= 0 or h.min_lr < 0:
+            raise ValueError("--warmup-steps/--min-lr must be >= 0; --lr > 0")
+        if h.max_minutes is not None and not 0 < h.max_minutes <= 100_000:
+            raise ValueError("--max-minutes must be in (0, 100000]")
+        if h.max_steps > MAX_STEPS_LIMIT:
+            raise ValueError(f"--max-steps must be <= {MAX_STEPS_LIMIT:,}")
         max_len = PRESETS[h.preset].get("max_seq_len", ModelConfig.max_seq_len)
         if h.seq_len > max_len:
             raise ValueError(f"--seq-len {h.seq_len} exceeds the model's max_seq_len {max_len}")
@@ -320,6 +260,14 @@ class Trainer:
     # --- setup --------------------------------------------------------------------------
     def run(self) -> int:
         h = self.hp
+        if self.saved is not None and self.saved["step"] >= h.max_steps:
+            done = self.saved["step"]
+            print(f"kvserve train: the run in {self.out} has already reached step {done} of its "
+                  f"planned {h.max_steps}; nothing to resume. To train further pass a larger "
+                  f"--max-steps, e.g. kvserve train --out {self.out} --resume --max-steps "
+                  f"{2 * done} (the cosine schedule is then stretched to end there)",
+                  file=sys.stderr)
+            return 0
         device = h.device if h.device != "auto" else ("cuda" if torch.cuda.is_available()
                                                       else "cpu")
         self.device = torch.device(device)
@@ -475,73 +423,61 @@ class Trainer:
         self.model.train()
         return float(tot[0] / tot[1])
 
-    def _should_stop(self, deadline: float, tail_s: float, horizon: int | None) -> bool:
-        """Rank 0's clock decides for everyone: out of time, and a shortened horizon."""
+    def _should_stop(self, deadline: float | None, tail_s: float) -> bool:
+        """Done (--max-steps, --stop-at-step), or out of the --max-minutes budget; rank 0's
+        clock decides for everyone. A budget stop is recorded in ``self.cut``."""
         h = self.hp
-        out_of_time = time.perf_counter() + tail_s > deadline
-        if self.dist.on:
-            flags = torch.tensor([int(out_of_time), horizon or 0], dtype=torch.int64)
-            dist.broadcast(flags, 0)
-            out_of_time, horizon = bool(flags[0]), int(flags[1]) or None
-        if horizon is not None and horizon < h.max_steps:
-            log.warning("at %.2f s/step the %.1f-minute budget ends near step %d, not %d: the "
-                        "cosine schedule now ends there (recorded in %s)", self._sps,
-                        h.max_minutes, horizon, h.max_steps, STATE)
-            h.max_steps = horizon
         stop = self.step >= h.max_steps or (h.stop_at_step is not None
                                             and self.step >= h.stop_at_step)
+        if deadline is None:
+            return stop
+        out_of_time = time.perf_counter() + tail_s > deadline
+        if self.dist.on:
+            flag = torch.tensor([int(out_of_time)], dtype=torch.int64)
+            dist.broadcast(flag, 0)
+            out_of_time = bool(flag.item())
         if out_of_time and not stop:
-            log.warning("--max-minutes %.1f reached at step %d of %d: stopping early",
-                        h.max_minutes, self.step, h.max_steps)
+            self.cut = {"by": "max_minutes", "max_minutes": h.max_minutes,
+                        "at_step": self.step, "planned_steps": h.max_steps}
+            if self.dist.main:
+                log.warning("--max-minutes %g CUT this run at step %d of %d: %d planned steps "
+                            "not run, the learning-rate schedule is unfinished and the model is "
+                            "not the one %d steps make; continue it with: %s", h.max_minutes,
+                            self.step, h.max_steps, h.max_steps - self.step, h.max_steps,
+                            self._resume_command())
         return stop or out_of_time
 
-    def _fit_horizon(self, deadline: float, tail_s: float, t_first: float, n_timed: int,
-                     eval_s: float) -> int | None:
-        """The step the budget reaches at the measured pace, if it is before --max-steps, so
-        that the learning-rate schedule still completes (only ever shortens; rank 0)."""
-        h = self.hp
-        if not self.dist.main or n_timed < 5:
-            return None
-        now = time.perf_counter()
-        self._sps = (now - t_first) / n_timed
-        left = h.max_steps - self.step
-        evals_left = left // h.eval_every
-        if now + left * self._sps + evals_left * eval_s + tail_s <= deadline:
-            return None
-        usable = max(0.0, deadline - now - tail_s) * 0.95
-        steps = int(usable / (self._sps + eval_s / h.eval_every))
-        return max(self.step + 1, self.step + steps)
+    def _resume_command(self) -> str:
+        return f"kvserve train --out {self.out} --resume"
 
     def _train(self) -> None:
         h, d = self.hp, self.dist
-        deadline = self.t0 + 0.98 * h.max_minutes * 60.0  # interpreter start-up is extra
+        deadline = None
+        if h.max_minutes is not None:  # interpreter start-up is extra
+            deadline = self.t0 + 0.98 * h.max_minutes * 60.0
         run_t0, run_step, run_tokens = time.perf_counter(), self.step, self.tokens_seen
         # time kept for the final evaluation + save; re-measured at each evaluation
-        tail_s = min(5.0, 0.1 * h.max_minutes * 60.0)
-        eval_s, t_first, self._sps = 2.0, None, 0.0
+        tail_s = min(5.0, 0.1 * (h.max_minutes or 0.0) * 60.0)
+        if d.main:
+            log.info("training steps %d -> %d (%d tokens per step)%s", self.step, h.max_steps,
+                     self.sampler.global_rows * h.seq_len,
+                     f"; wall-clock cap --max-minutes {h.max_minutes:g}" if deadline else "")
+        # smoothing=0: the ETA is the remaining steps at the average pace of this run so far,
+        # evaluations and saves included (the first, slow step is amortised, not extrapolated)
         bar = tqdm(total=h.max_steps, initial=self.step, disable=not d.main, unit="step",
-                   dynamic_ncols=True, mininterval=1.0, file=sys.stderr)
-        last_eval, horizon = None, None
-        while not self._should_stop(deadline, tail_s, horizon):
-            bar.total = h.max_steps
+                   dynamic_ncols=True, mininterval=1.0, smoothing=0, file=sys.stderr)
+        last_eval = None
+        while not self._should_stop(deadline, tail_s):
             loss = self._train_step()
             tps = (self.tokens_seen - run_tokens) / max(1e-9, time.perf_counter() - run_t0)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", refresh=False)
-            horizon = None
             if self.step % h.eval_every == 0 and self.step < h.max_steps:
                 te = time.perf_counter()
                 self._eval_and_save(tps)
                 last_eval = self.step
                 eval_s = time.perf_counter() - te
                 tail_s = (1.5 + (0.5 if h.sample_tokens else 0.0)) * eval_s + 2.0
-                t_first, n_timed = time.perf_counter(), 0  # re-measure the pace after saving
-            elif t_first is None:
-                t_first, n_timed = time.perf_counter(), 0  # after the first (slow) step
-            else:
-                n_timed += 1
-                if n_timed in (10, 50) or n_timed % 100 == 0:
-                    horizon = self._fit_horizon(deadline, tail_s, t_first, n_timed, eval_s)
         bar.close()
         tps = (self.tokens_seen - run_tokens) / max(1e-9, time.perf_counter() - run_t0)
         if last_eval != self.step:
@@ -598,6 +534,7 @@ class Trainer:
             "world_size": self.dist.world, "global_batch_rows": self.sampler.global_rows,
             "unigram_val_entropy": self.unigram, "elapsed_s": self._elapsed(),
             "weights_sha256": sha, "rank_weights_sha256": rank_shas,
+            "time_cut": self.cut,
             "metrics": self.metrics,
         }
         metrics = "".join(json.dumps(m) + "\n" for m in self.metrics)
@@ -623,3 +560,11 @@ class Trainer:
             gen = generate(self.model, [prompt], h.sample_tokens, eos_id=self.tok.eos_id)
             print("sample (greedy):")
             print(self.tok.decode(prompt + gen.tokens[0]))
+        if self.cut is not None:  # last, where it is seen
+            print(f"WARNING: CUT SHORT by --max-minutes {h.max_minutes:g}: trained {self.step} "
+                  f"of the planned {h.max_steps} steps ({h.max_steps - self.step} not run; the "
+                  f"learning-rate schedule is unfinished, so this is not the model {h.max_steps} "
+                  f"steps make). Continue the same schedule with: {self._resume_command()}")
+        elif self.step < h.max_steps:
+            print(f"stopped at --stop-at-step {self.step} of {h.max_steps}; continue with: "
+                  f"{self._resume_command()}")

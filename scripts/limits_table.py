@@ -31,6 +31,9 @@ STATUS_CODES = [
     ("UNAUTHENTICATED", "missing or wrong `authorization: Bearer <token>` (health is exempt)"),
     ("UNIMPLEMENTED", "an option this server cannot do (attention without the attention "
                       "graphs)"),
+    ("FAILED_PRECONDITION", "the request needs text and the model has no tokenizer (its "
+                            "artifact has no tokenizer.json): send token ids; do not retry "
+                            "unchanged"),
     ("INTERNAL", "a server fault (the message carries no internals), or gRPC's own "
                  "'Exception deserializing request!' for bytes that are not the request "
                  "message"),

@@ -18,13 +18,14 @@ from kvserve import __version__
 from kvserve.model.tokenizer import Tokenizer
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.artifact.loader import load_lm
+from kvserve.artifact.manifest import MANIFEST, TOKENIZER
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from .auth import BearerTokenInterceptor
 from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
-from .engine import Engine
+from .engine import Engine, NullMetrics
 from .metrics import Metrics, MetricsServer
 from .servicer import InferenceServicer, ServingState, model_info
 from .validation import Limits
@@ -67,17 +68,25 @@ class App:
             self.lm = load_lm(self.dir, provider=self.cfg.provider,
                               threads=self.cfg.threads or None, spin=self.cfg.spin,
                               tf32=self.cfg.tf32, attention=self.cfg.attention)
-            self.tokenizer = Tokenizer.from_file(self.dir / "tokenizer.json")
+            # verified: tokenizer.json is either listed in the manifest and intact, or absent
+            tok_path = self.dir / TOKENIZER
+            self.tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
         except (OSError, ValueError, KeyError) as e:
             raise ArtifactError(f"cannot load {self.dir}: {e}") from None
         mcfg = self.lm.cfg
-        from tokenizers import Tokenizer as HFTokenizer
-        self.token_bytes = TokenBytes(HFTokenizer.from_str(self.tokenizer.to_str()),
-                                      mcfg.vocab_size)
         eos = mcfg.eos_token_id
-        if eos is None and self.tokenizer.eos_id is not None \
-                and self.tokenizer.eos_id < mcfg.vocab_size:
-            eos = self.tokenizer.eos_id
+        if self.tokenizer is None:
+            self.token_bytes = TokenBytes.without_text(mcfg.vocab_size)
+            log.warning("%s has no tokenizer.json: serving token ids only (text prompts, Score "
+                        "texts, Tokenize, Detokenize and stop strings answer "
+                        "FAILED_PRECONDITION; streamed tokens carry ids, no text)", self.dir)
+        else:
+            from tokenizers import Tokenizer as HFTokenizer
+            self.token_bytes = TokenBytes(HFTokenizer.from_str(self.tokenizer.to_str()),
+                                          mcfg.vocab_size)
+            if eos is None and self.tokenizer.eos_id is not None \
+                    and self.tokenizer.eos_id < mcfg.vocab_size:
+                eos = self.tokenizer.eos_id
         self.eos_id = eos
         self.limits = Limits.make(self.cfg, mcfg.vocab_size, mcfg.n_layers, mcfg.n_heads,
                                   mcfg.max_seq_len)
@@ -86,11 +95,16 @@ class App:
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
                              request_time_limit=self.cfg.request_time_limit,
                              metrics=self.metrics, eos_ids=mcfg.stop_ids)
-        sha = hashlib.sha256((self.dir / "manifest.json").read_bytes()).hexdigest()
+        sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__)
         log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",
                  self.dir, time.monotonic() - t0, mcfg.n_layers, mcfg.vocab_size,
                  self.lm.provider, self.lm.has_attention)
+        precision = self.lm.manifest.get("precision", "fp32")
+        if precision == "fp16" and self.lm.provider == "CPUExecutionProvider":
+            log.warning("%s is an fp16 artifact, made for the CUDA provider; on the CPU provider "
+                        "onnxruntime computes it through casts and it runs slower than fp32: "
+                        "export with --precision fp32 (or int8) for CPU", self.dir)
 
     # --- serve -----------------------------------------------------------------------------
     def _message_limit(self) -> int:
@@ -128,14 +142,17 @@ class App:
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME), self.server)
         addr = f"{c.host}:{c.port}"
-        if c.tls_cert:
-            creds = grpc.ssl_server_credentials(
-                [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])
-            self.port = self.server.add_secure_port(addr, creds)
-        else:
-            self.port = self.server.add_insecure_port(addr)
+        try:  # grpc returns 0 or raises RuntimeError('Failed to bind ...'), by version
+            if c.tls_cert:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(c.tls_key).read_bytes(), Path(c.tls_cert).read_bytes())])
+                self.port = self.server.add_secure_port(addr, creds)
+            else:
+                self.port = self.server.add_insecure_port(addr)
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {addr}")
+            raise OSError(f"cannot listen on {addr} (port in use?)")
         self.server.start()
         log.info("gRPC listening on %s:%d (%s%s), max message %d bytes", c.host, self.port,
                  "TLS" if c.tls_cert else "plaintext", ", auth" if c.auth_token else "", limit)
@@ -144,7 +161,12 @@ class App:
             self.metrics_server.start()
         self.engine.start()
         t0 = time.monotonic()
-        self.engine.warmup(self._warmup_request)
+        # warm-up requests are not traffic: they go to no metric (requests_total, tokens, ...)
+        live, self.engine.metrics = self.engine.metrics, NullMetrics()
+        try:
+            self.engine.warmup(self._warmup_request)
+        finally:
+            self.engine.metrics = live
         log.info("warm-up done in %.2fs", time.monotonic() - t0)
         self.state.ready = True
         for name in ("", SERVICE):

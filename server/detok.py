@@ -108,6 +108,13 @@ class TokenBytes:
             log.warning("tokenizer decoder %r is not ByteLevel: streamed text is assembled "
                         "from per-token decodes", decoder)
 
+    @classmethod
+    def without_text(cls, vocab_size: int) -> "TokenBytes":
+        """For a model served without a tokenizer: every id has no bytes (no text)."""
+        self = cls.__new__(cls)
+        self.vocab_size, self.table, self.exact = vocab_size, [b""] * vocab_size, True
+        return self
+
     def __getitem__(self, i: int) -> bytes:
         return self.table[i] if 0 <= i < self.vocab_size else b""
 

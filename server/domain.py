@@ -30,6 +30,10 @@ class Unimplemented(ServingError):
     pass
 
 
+class FailedPrecondition(ServingError):
+    """The request needs something this server's model lacks (a tokenizer for text)."""
+
+
 # --- requests -----------------------------------------------------------------------------------
 class FinishReason(enum.Enum):
     LENGTH = "length"

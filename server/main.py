@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 
 from .config import ServerConfig
@@ -16,6 +18,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser)
 
 
+def check_port(host: str, port: int, flag: str = "port") -> None:
+    """Raise OSError with one readable line when ``host:port`` cannot be listened on (in use,
+    not an address of this machine, privileged), so that a busy port is reported before the
+    model is verified and loaded. ``flag``: the option that sets it (``port``,
+    ``metrics-port``). Port 0 (any free port) always works."""
+    if port == 0:
+        return
+    env = "KVSERVE_" + flag.replace("-", "_").upper()
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    failed: list[str] = []
+    for family, type_, proto, _, addr in infos:
+        with socket.socket(family, type_, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's own listener
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(f"port {port} on {host} is already in use (another server?): "
+                                  f"choose another with --{flag} (env {env}), or 0 for any "
+                                  f"free port") from None
+                failed.append(e.strerror or str(e))  # e.g. ::1 on a host without IPv6
+    if failed and len(failed) == len(infos):
+        raise OSError(f"cannot listen on {host}:{port} (--{flag}): {failed[0]}")
+
+
 def main(args: argparse.Namespace) -> int:
     from .app import App, ArtifactError
 
@@ -24,7 +55,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2
-    log.info("config: %s", cfg.public_dict())
+    try:  # before the model is verified and loaded: a busy port costs no wait
+        check_port(cfg.host, cfg.port, "port")
+        if cfg.metrics_port > 0:
+            check_port(cfg.host, cfg.metrics_port, "metrics-port")
+    except OSError as e:
+        print(f"kvserve serve: {e}", file=sys.stderr)
+        return 1
+    log.debug("config: %s", cfg.public_dict())
     # Signals are received synchronously by this thread (sigtimedwait below): blocked here,
     # before any thread exists, every thread inherits the mask, so a SIGTERM is never handled
     # late because it landed on an onnxruntime or gRPC thread.

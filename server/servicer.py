@@ -17,8 +17,9 @@ from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from . import validation as V
-from .domain import (FinishEvent, FinishReason, GenerateRequest, InvalidArgument, QueueFull,
-                     ServingError, TokenEvent, Unavailable, Unimplemented)
+from .domain import (FailedPrecondition, FinishEvent, FinishReason, GenerateRequest,
+                     InvalidArgument, QueueFull, ServingError, TokenEvent, Unavailable,
+                     Unimplemented)
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ _STATUS = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     Unimplemented: grpc.StatusCode.UNIMPLEMENTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -82,8 +84,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if not self.state.ready:
             raise Unavailable("the model is still loading; retry shortly")
 
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tok is None:
+            raise FailedPrecondition(f"{what} needs a tokenizer and this model has none (its "
+                                     f"artifact has no tokenizer.json): send token ids")
+
     def _prompt_ids(self, text: str | None, ids) -> list[int]:
         if text is not None:
+            self._need_tokenizer("a text prompt")
             return self.tok.encode(V.check_text("text", text, self.lim))
         return V.check_ids("token_ids", ids, self.lim, max_len=self.lim.max_context)
 
@@ -104,6 +112,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         ids = self._prompt_ids(r.text if which == "text" else None,
                                r.token_ids.ids if which == "token_ids" else None)
         s, st, o = r.sampling, r.stopping, r.response
+        if st.stop:
+            self._need_tokenizer("a stop string (use stop_token_ids)")
         sampling = V.sampling_params(
             temperature=s.temperature, top_k=s.top_k,
             top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
@@ -254,6 +264,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def Tokenize(self, request, context):  # noqa: N802
         try:
             self._gate()
+            self._need_tokenizer("Tokenize")
             if len(request.texts) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
             texts = [V.check_text(f"texts[{i}]", t, self.lim) for i, t in
@@ -270,6 +281,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def Detokenize(self, request, context):  # noqa: N802
         try:
             self._gate()
+            self._need_tokenizer("Detokenize")
             if len(request.token_ids) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} sequences per call")
             seqs = [V.check_ids(f"token_ids[{i}]", s.ids, self.lim,

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..hf_support import Support  # noqa: F401 (the families' rows, torch-free)
 
 from kvserve.model.config import ModelConfig
 
@@ -21,15 +22,6 @@ class HFImportError(ValueError):
 
 class UnsupportedModelError(HFImportError):
     """The architecture or one of its options is outside what kvserve reproduces exactly."""
-
-
-@dataclass(frozen=True)
-class Support:
-    architecture: str
-    model_type: str
-    family: str  # the mapper module
-    maps_to: str
-    refused: str
 
 
 def refuse(arch: str, option: str, value: Any, why: str = "") -> UnsupportedModelError:

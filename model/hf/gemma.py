@@ -8,24 +8,13 @@ from typing import Any
 
 from kvserve.model.config import ModelConfig
 
+from ..hf_support import family_rows
 from .common import (LLAMA_KEYS, Source, Support, get_bool, get_int, get_number,
                      layer_windows, refuse)
 from .llama import base_config, llama_state
 
 PREFIX = "model."
-SUPPORTED = (
-    Support("GemmaForCausalLM", "gemma", "gemma",
-            "as Llama with embed_scale=sqrt(hidden_size), norm_offset=1 ((1 + w) RMSNorm), "
-            "ffn geglu_tanh (gelu_pytorch_tanh; legacy 'gelu' means tanh too), explicit "
-            "head_dim, attention_bias -> qkv_bias+out_bias, tied head by default",
-            "use_bidirectional_attention, other activations, everything refused for Llama"),
-    Support("Gemma2ForCausalLM", "gemma2", "gemma",
-            "as Gemma plus sandwich norms (pre/post attention and feed-forward), "
-            "attn_logit_softcapping -> attn_softcap, final_logit_softcapping -> final_softcap, "
-            "query_pre_attn_scalar -> attn_scale, sliding_window on layer_types' sliding layers "
-            "(default: every other layer, from the first)",
-            "use_bidirectional_attention, everything refused for Gemma"),
-)
+SUPPORTED = family_rows("gemma")
 _GEMMA = LLAMA_KEYS | {"attention_bias", "hidden_activation", "use_bidirectional_attention"}
 KEYS = {"gemma": _GEMMA,
         "gemma2": _GEMMA | {"query_pre_attn_scalar", "attn_logit_softcapping",

@@ -7,18 +7,11 @@ import torch
 
 from kvserve.model.config import ModelConfig
 
+from ..hf_support import family_rows
 from .common import Source, Support, get_int, head, refuse, special_ids, tie
 
 PREFIX = "transformer."
-SUPPORTED = (
-    Support("GPT2LMHeadModel", "gpt2", "gpt2",
-            "positions=learned, layernorm (layer_norm_epsilon), pre-norm + final norm, "
-            "ffn gelu_tanh (gelu_new, gelu_pytorch_tanh) | gelu | relu, all biases, "
-            "Conv1D weights transposed, fused c_attn = attn.qkv, tied or untied head",
-            "scale_attn_weights=false, scale_attn_by_inverse_layer_idx, "
-            "reorder_and_upcast_attn, add_cross_attention, pruned_heads, n_ctx != n_positions, "
-            "other activation_function values"),
-)
+SUPPORTED = family_rows("gpt2")
 KEYS = {"gpt2": frozenset("""
     vocab_size n_positions n_ctx n_embd n_layer n_head n_inner activation_function
     resid_pdrop embd_pdrop attn_pdrop layer_norm_epsilon scale_attn_weights

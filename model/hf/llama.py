@@ -8,25 +8,12 @@ import torch
 
 from kvserve.model.config import ModelConfig
 
+from ..hf_support import family_rows
 from .common import (LLAMA_KEYS, Source, Support, get_bool, get_int, head, layer_windows,
                      refuse, rope, special_ids, tie)
 
 PREFIX = "model."
-_ROPE = "rope_theta + rope_scaling default | linear | llama3 | longrope"
-SUPPORTED = (
-    Support("LlamaForCausalLM", "llama", "llama",
-            f"positions=rope ({_ROPE}), rmsnorm (rms_norm_eps), ffn swiglu (w_in = [gate; up]),"
-            " attn.qkv = [q; k; v], MHA/GQA/MQA, head_dim, attention_bias -> qkv_bias+out_bias,"
-            " mlp_bias -> ffn_bias, tied or untied head (SmolLM2 included)",
-            "other rope types (dynamic, yarn, ...), partial_rotary_factor != 1, "
-            "hidden_act other than silu, pretraining_tp > 1"),
-    Support("MistralForCausalLM", "mistral", "llama",
-            "as Llama (no biases), sliding_window on every layer",
-            "everything refused for Llama"),
-    Support("SmolLM3ForCausalLM", "smollm3", "llama",
-            "as Llama, no_rope_layers (per-layer RoPE on/off), use_sliding_window + "
-            "layer_types", "everything refused for Llama"),
-)
+SUPPORTED = family_rows("llama")
 _SLIDING = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
 KEYS = {
     "llama": LLAMA_KEYS | {"attention_bias", "mlp_bias", "pretraining_tp"},

@@ -6,20 +6,12 @@ from typing import Any
 
 from kvserve.model.config import ModelConfig
 
+from ..hf_support import family_rows
 from .common import LLAMA_KEYS, Support, get_int, layer_windows
 from .llama import base_config, llama_state
 
 PREFIX = "model."
-SUPPORTED = (
-    Support("Phi3ForCausalLM", "phi3", "phi3",
-            "as Llama (no biases) with fused qkv_proj = attn.qkv and gate_up_proj = ffn.w_in, "
-            "sliding_window on every layer, rope_scaling longrope/su (short/long factors, "
-            "original_max_position_embeddings, attention factor; the long factors apply to a "
-            "sequence once its last position is past original_max_position_embeddings; a "
-            "sequence that crosses it while decoding keeps its earlier keys rotated with the "
-            "short factors, where transformers' generate recomputes them)",
-            "partial_rotary_factor != 1, everything refused for Llama"),
-)
+SUPPORTED = family_rows("phi3")
 KEYS = {"phi3": LLAMA_KEYS | {"sliding_window", "original_max_position_embeddings",
                               "resid_pdrop", "embd_pdrop"}}
 

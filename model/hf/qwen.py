@@ -6,20 +6,12 @@ from typing import Any
 
 from kvserve.model.config import ModelConfig
 
+from ..hf_support import family_rows
 from .common import LLAMA_KEYS, Support, get_bool, get_int, layer_windows
 from .llama import base_config, llama_state, sliding_default
 
 PREFIX = "model."
-SUPPORTED = (
-    Support("Qwen2ForCausalLM", "qwen2", "qwen",
-            "as Llama with qkv_bias=true, out_bias=false; use_sliding_window + "
-            "max_window_layers / layer_types -> per-layer sliding windows",
-            "everything refused for Llama"),
-    Support("Qwen3ForCausalLM", "qwen3", "qwen",
-            "as Llama with q_norm/k_norm (per-head RMSNorm before RoPE) -> qk_norm, explicit "
-            "head_dim, attention_bias -> qkv_bias+out_bias, sliding windows as Qwen2",
-            "everything refused for Llama"),
-)
+SUPPORTED = family_rows("qwen")
 _SLIDING = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
 KEYS = {"qwen2": LLAMA_KEYS | _SLIDING, "qwen3": LLAMA_KEYS | _SLIDING | {"attention_bias"}}
 

@@ -158,3 +158,33 @@ def test_decode_weight_bytes_skips_the_embedding(tmp_path):
     got = decode_weight_bytes(path)
     assert got["read_bytes"] == 64 * 32 * 4 + 64 * 32
     assert got["embedding_bytes"] == 1000 * 64 * 4
+
+
+def test_results_go_to_a_fresh_directory_unless_asked(tmp_path):
+    """`kvserve bench` never overwrites the committed bench/results or README by default."""
+    import argparse
+
+    from kvserve.bench.main import RESULTS, add_arguments, choose_results_dir
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+
+    def where(*argv: str):
+        return choose_results_dir(p.parse_args(["--cache", str(tmp_path), *argv]))
+
+    a, q = where(), where("--quick")
+    assert a.parent == q.parent == tmp_path / "results" and q.name.endswith("-quick")
+    assert where("--results", str(tmp_path / "mine")) == tmp_path / "mine"
+    assert where("--update-committed") == RESULTS
+    assert where("--render-only") == RESULTS  # reads the committed results; writes nothing
+    with pytest.raises(SystemExit, match="--update-committed writes bench/results"):
+        where("--update-committed", "--results", str(tmp_path / "mine"))
+
+
+def test_decode_cost_out_and_update_committed_exclude_each_other(capsys):
+    from kvserve.bench.decode_cost import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", "x.json", "--update-committed"])
+    assert e.value.code == 2
+    assert "--out and --update-committed exclude each other" in capsys.readouterr().err

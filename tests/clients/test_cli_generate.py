@@ -152,3 +152,15 @@ def test_tls_ca_and_token(cli, artifact, tmp_path):
             "`authorization: Bearer <token>`"]
         rc, out, err = cli(*args[:4], "--max-new-tokens", "3", "--retries", "0")  # plaintext
         assert rc == 1 and len(err.strip().splitlines()) == 1 and "UNAVAILABLE" in err
+
+
+def test_attention_without_matplotlib_fails_before_any_request(cli, monkeypatch, tmp_path):
+    """No server listens at this address: the matplotlib check answers before any connection."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    rc, out, err = cli("generate", "x", "--server", f"127.0.0.1:{free_port()}", "--retries", "0",
+                       "--attention", str(tmp_path / "a.png"))
+    assert rc == 1 and out == ""
+    assert err == "kvserve generate: --attention needs matplotlib: pip install 'kvserve[viz]'\n"
+    assert not (tmp_path / "a.png").exists()

@@ -166,3 +166,47 @@ def test_server_restart_midway_every_id_exactly_once(serve_process, artifact, tm
         ref = c.score([items[r["id"]] for r in recs[:: 8]])
     for r, s in zip(recs[:: 8], ref):
         assert r["sum_logprob"] == pytest.approx(s.sum_logprob, rel=1e-4)
+
+
+def _score_on_a_pty(target: str, inp, out, *extra: str) -> tuple[int, str]:
+    """``kvserve score`` in a subprocess whose stderr is a terminal: (status, what it drew)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "score", str(inp), "--out",
+                              str(out), "--server", target, "--batch-size", "2", *extra],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave,
+                             env={**os.environ, "KVSERVE_LOG_LEVEL": "WARNING"})
+        os.close(slave)
+        chunks = []
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        rc = p.wait(timeout=60)
+    finally:
+        os.close(master)
+    return rc, b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_on_a_terminal_and_not_with_no_progress(target, tmp_path):
+    inp = tmp_path / "texts.txt"
+    inp.write_text("".join(f"x = {i}\n" for i in range(6)))
+    rc, drawn = _score_on_a_pty(target, inp, tmp_path / "a.jsonl")
+    assert rc == 0, drawn
+    assert "6/6" in drawn and "text/s" in drawn  # tqdm's bar: n/total and the rate
+    rc, drawn = _score_on_a_pty(target, inp, tmp_path / "b.jsonl", "--no-progress")
+    assert rc == 0, drawn
+    assert "6/6" not in drawn and drawn.startswith("scored 6 texts")

@@ -74,3 +74,17 @@ def test_precision_artifact_runs_in_the_runtime(store, precision):
     logits, _ = lm.decode(kv, 1, np.array([7]))
     assert logits.shape == (1, lm.cfg.vocab_size) and np.isfinite(logits).all()
     assert kv.k[0].numpy().dtype == np.dtype(want)
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_serving_fp16_on_the_cpu_provider_warns(store, precision, caplog):
+    from kvserve_testing import server_config
+
+    from kvserve.server.app import App
+
+    app = App(store.artifact(PRECISION_CONFIGS[precision]),
+              server_config(provider="cpu", attention=False))
+    with caplog.at_level("WARNING", logger="kvserve.server.app"):
+        app.load()
+    warned = [r for r in caplog.records if "made for the CUDA provider" in r.getMessage()]
+    assert len(warned) == (precision == "fp16")

@@ -151,7 +151,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(artifact, tmp_path):
         # one slot, several long requests: most are still running or queued at SIGTERM
         mport = json.loads(port_file.read_text())["metrics_port"]
 
-        def accepted():  # running + queued + finished
+        def accepted():  # running + queued + finished (warm-up requests are not counted)
             text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics").read().decode()
             val = lambda pat: float(re.search("^" + pat, text, re.M).group(1))  # noqa: E731
             done = re.search(r'requests_total\{outcome="length",rpc="Generate"\} (\S+)', text)
@@ -163,6 +163,11 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(artifact, tmp_path):
         next(calls[0])
         assert wait_for(lambda: accepted() - before == len(calls), 10)  # every call arrived
         proc.send_signal(signal.SIGTERM)
+        # the drain has begun once health says NOT_SERVING (a call sent before the server's
+        # main thread handled the signal would be queued like any other)
+        h = health_pb2_grpc.HealthStub(ch)
+        assert wait_for(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                        == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         with pytest.raises(grpc.RpcError) as e:
             collect(stub.Generate(gen_request("y", 2), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

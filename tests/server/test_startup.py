@@ -1,0 +1,52 @@
+"""Start-up: a busy port is one line and a non-zero exit before the model is loaded; the
+warm-up requests count in no metric."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from kvserve_testing import running_app
+
+
+def test_busy_port_is_one_line_before_loading(artifact):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(artifact.dir),
+                            "--port", str(port), "--log-level", "INFO"],
+                           capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - t0
+    assert r.returncode == 1
+    assert r.stderr == (f"kvserve serve: port {port} on 127.0.0.1 is already in use (another "
+                        f"server?): choose another with --port (env KVSERVE_PORT), or 0 for any "
+                        f"free port\n")
+    assert took < 60  # no verify, no load: nothing was logged before the refusal
+
+
+def test_busy_metrics_port_is_refused_too(artifact):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(artifact.dir),
+                            "--port", "0", "--metrics-port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"kvserve serve: port {port} on 127.0.0.1 is already in use")
+    assert "--metrics-port (env KVSERVE_METRICS_PORT)" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_warm_up_requests_are_not_counted(artifact):
+    with running_app(artifact, metrics_port=0) as app:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{app.metrics_server.port}/metrics",
+                                      timeout=10).read().decode()
+    samples = [line for line in body.splitlines() if line and not line.startswith("#")]
+    for name in ("kvserve_requests_total", "kvserve_prompt_tokens_total",
+                 "kvserve_generated_tokens_total", "kvserve_time_to_first_token_seconds_count"):
+        assert [s for s in samples if s.split()[0] == name] in ([], [f"{name} 0"])

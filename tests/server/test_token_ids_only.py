@@ -1,0 +1,73 @@
+"""An artifact without tokenizer.json (an imported model that came without one) passes verify
+and is served with token ids only: id prompts generate and score as usual, and every RPC that
+needs text answers FAILED_PRECONDITION saying the model has no tokenizer."""
+from __future__ import annotations
+
+import shutil
+
+import grpc
+import pytest
+
+from kvserve_testing import (collect, gen_request, read_manifest, running_app, torch_generate,
+                             torch_logprobs, write_manifest)
+
+
+@pytest.fixture(scope="module")
+def ids_only(artifact, tmp_path_factory):
+    from kvserve.export.verify import verify_artifacts
+
+    root = tmp_path_factory.mktemp("ids-only") / "artifact"
+    shutil.copytree(artifact.dir, root)
+    (root / "tokenizer.json").unlink()
+    m = read_manifest(root)
+    del m["files"]["tokenizer.json"]
+    write_manifest(root, m)
+    verify_artifacts(root)  # what `kvserve verify` runs: it passes
+    with running_app(type(artifact)(root, artifact.model, None, artifact.cfg)) as app:
+        ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
+        from kvserve.v1 import inference_pb2_grpc
+
+        yield app, inference_pb2_grpc.InferenceStub(ch)
+        ch.close()
+
+
+def test_token_id_prompts_generate_and_score(ids_only, artifact):
+    from kvserve.v1 import inference_pb2 as pb
+
+    app, stub = ids_only
+    prompt = [5, 17, 42, 99, 7]
+    chunks, done = collect(stub.Generate(gen_request(prompt, 12, logprobs=True,
+                                                     top_logprobs=2)))
+    assert [c.id for c in chunks] == torch_generate(artifact.model, prompt, 12)
+    assert all(c.text == "" for c in chunks) and done.text == ""
+    assert done.generated_tokens == 12 and done.prompt_tokens == len(prompt)
+    r = stub.Score(pb.ScoreRequest(token_ids=[pb.TokenIds(ids=prompt)]))
+    got = [t.logprob for t in r.sequences[0].tokens]
+    assert got == pytest.approx(torch_logprobs(artifact.model, prompt).tolist(), abs=1e-4)
+    assert stub.ModelInfo(pb.ModelInfoRequest()).vocab_size == artifact.cfg.vocab_size
+
+
+@pytest.mark.parametrize("call, what", [
+    ("generate_text", "a text prompt"),
+    ("generate_stop", "a stop string (use stop_token_ids)"),
+    ("score_text", "a text prompt"),
+    ("tokenize", "Tokenize"),
+    ("detokenize", "Detokenize"),
+])
+def test_text_rpcs_fail_precondition(ids_only, call, what):
+    from kvserve.v1 import inference_pb2 as pb
+
+    _, stub = ids_only
+    calls = {
+        "generate_text": lambda: collect(stub.Generate(gen_request("def f():", 4))),
+        "generate_stop": lambda: collect(stub.Generate(gen_request([1, 2, 3], 4, stop=["\n"]))),
+        "score_text": lambda: stub.Score(pb.ScoreRequest(texts=["x = 1"])),
+        "tokenize": lambda: stub.Tokenize(pb.TokenizeRequest(texts=["x"])),
+        "detokenize": lambda: stub.Detokenize(pb.DetokenizeRequest(
+            token_ids=[pb.TokenIds(ids=[1, 2])])),
+    }
+    with pytest.raises(grpc.RpcError) as e:
+        calls[call]()
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.details() == (f"{what} needs a tokenizer and this model has none (its "
+                                 f"artifact has no tokenizer.json): send token ids")
