@@ -14,7 +14,7 @@ from kvserve_testing import (collect, gen_request, read_manifest, running_app, t
 
 @pytest.fixture(scope="module")
 def ids_only(artifact, tmp_path_factory):
-    from kvserve.export.verify import verify_artifacts
+    from kvserve.artifact.verify import verify_artifacts
 
     root = tmp_path_factory.mktemp("ids-only") / "artifact"
     shutil.copytree(artifact.dir, root)
