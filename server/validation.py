@@ -105,14 +105,15 @@ def score_lengths(lengths: Sequence[int], lim: Limits) -> None:
 
 def check_texts(texts: Sequence[str], limit: int, lim: Limits, name=lambda i: f"texts[{i}]",
                 what: str = "") -> list[str]:
-    """Each text within max_prompt_chars and all of them within ``limit`` characters
-    (before any of them is tokenized)."""
-    out, total = [], 0
+    """Each text within max_prompt_chars and all of them within ``limit`` characters, before
+    any of them is tokenized. ``texts`` may be a protobuf repeated field: each text becomes a
+    Python str only for its length check (none is kept until all have passed)."""
+    total = 0
     for i, t in enumerate(texts):
-        out.append(check_text(name(i), t, lim))
+        check_text(name(i), t, lim)
         total += len(t)
     _need(total <= limit, f"{what}{total} characters in all; the limit is {limit}")
-    return out
+    return list(texts)
 
 
 def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

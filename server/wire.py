@@ -104,6 +104,7 @@ class OverLimit(Exception):
 
 
 _HIGH = bytes(range(0x80, 0x100))
+_CHUNK = 1 << 16
 _VARINTS = {FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_UINT32, FD.TYPE_UINT64, FD.TYPE_SINT32,
             FD.TYPE_SINT64, FD.TYPE_BOOL, FD.TYPE_ENUM}
 _FIXED = {FD.TYPE_FIXED32: 4, FD.TYPE_SFIXED32: 4, FD.TYPE_FLOAT: 4, FD.TYPE_FIXED64: 8,
@@ -136,6 +137,20 @@ def count_repeated(buf: bytes, desc, caps: dict[str, tuple[int, str]]) -> dict[s
     return counts
 
 
+def _count_varints(buf: bytes, start: int, end: int, stop_after: int) -> int:
+    """Elements of a packed varint list: one byte without the continuation bit ends each.
+    Counted a chunk at a time (no copy of the list), stopping once past ``stop_after``
+    (negative: the field has no cap, its count is not needed)."""
+    n = 0
+    if stop_after < 0:
+        return n
+    for s in range(start, end, _CHUNK):
+        n += len(buf[s:min(end, s + _CHUNK)].translate(None, _HIGH))
+        if n > stop_after:
+            break
+    return n
+
+
 def _walk(buf, pos, end, desc, prefix, caps, counts, depth) -> None:
     while pos < end:
         key, pos = _varint(buf, pos, end)
@@ -161,8 +176,9 @@ def _walk(buf, pos, end, desc, prefix, caps, counts, depth) -> None:
                 _walk(buf, start, pos, fd.message_type, prefix + fd.name + ".", caps, counts,
                       depth + 1)
             elif fd is not None and fd.is_repeated and fd.type in _VARINTS:
-                # one byte without the continuation bit ends each element
-                n = len(buf[start:pos].translate(None, _HIGH))
+                path = prefix + fd.name
+                room = guard(caps[path][0]) - counts.get(path, 0) if path in caps else -1
+                n = _count_varints(buf, start, pos, room)
             elif fd is not None and fd.is_repeated and fd.type in _FIXED:
                 n = length // _FIXED[fd.type]
         else:  # 3/4: groups (not in proto3 messages), 6/7: invalid
