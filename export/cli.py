@@ -29,6 +29,9 @@ def add_arguments(parser) -> None:
                              "manifest)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--sign-key", default=None,
+                        help="Ed25519 private key (PEM): sign the manifest (manifest.sig); "
+                             "see `kvserve sign --help`")
 
 
 def main(args) -> int:
@@ -39,7 +42,13 @@ def main(args) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)
     from .parity import ParityError
     from .precision import PrecisionError
+    from .signing import SignatureError, load_private_key, sign_manifest
 
+    try:  # the key is read first: a bad key fails before minutes of export
+        key = load_private_key(args.sign_key) if args.sign_key else None
+    except SignatureError as e:
+        print(f"kvserve export: {e}", file=sys.stderr)
+        return 2
     try:
         out = export_artifacts(args.checkpoint, args.out, precision=args.precision,
                                attention=not args.no_attention, parity_steps=args.parity_steps,
@@ -52,6 +61,8 @@ def main(args) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"kvserve export: {e}", file=sys.stderr)
         return 2
+    if key is not None:
+        sign_manifest(out, key)
     m = json.loads((Path(out) / "manifest.json").read_text())
     p = m["parity"]["fp32"]
     print(f"exported {out} ({m['precision']}): parity fp32 max |Δlogit| prefill "
@@ -64,4 +75,6 @@ def main(args) -> int:
               f"greedy agreement {q['token_agreement']:.3f}")
     if "perplexity" in m:
         print("  perplexity: " + ", ".join(f"{k} {v:.4g}" for k, v in m["perplexity"].items()))
+    if key is not None:
+        print(f"  signed: {Path(out) / 'manifest.sig'}")
     return 0

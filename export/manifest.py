@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # optional, beside the manifest (export/signing.py); never listed
 FORMAT_VERSION = 1
 
 
@@ -23,12 +24,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def list_files(root: Path) -> list[str]:
-    """Every regular file under root except the manifest, as sorted POSIX relative paths."""
+    """Every regular file under root except the manifest and its signature, as sorted POSIX
+    relative paths."""
     out = []
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, SIGNATURE):
                 out.append(rel)
     return sorted(out)
 

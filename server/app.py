@@ -39,13 +39,13 @@ class ArtifactError(Exception):
     """The artifact directory cannot be served; the message says why."""
 
 
-def verify(artifact_dir: Path) -> None:
+def verify(artifact_dir: Path, trusted_key: str | None = None) -> None:
     try:
         from kvserve.export.verify import VerifyError, verify_artifacts
     except ImportError as e:  # pragma: no cover - the export package ships with the server
         raise ArtifactError(f"cannot verify artifacts: {e}") from None
     try:
-        verify_artifacts(artifact_dir)
+        verify_artifacts(artifact_dir, trusted_key=trusted_key or None)
     except VerifyError as e:
         raise ArtifactError(str(e)) from None
 
@@ -63,7 +63,7 @@ class App:
     def load(self) -> None:
         t0 = time.monotonic()
         if self.cfg.verify:
-            verify(self.dir)
+            verify(self.dir, self.cfg.trusted_key)
         try:
             self.lm = OnnxLM(self.dir, provider=self.cfg.provider,
                              threads=self.cfg.threads or None, spin=self.cfg.spin,

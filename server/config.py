@@ -85,6 +85,8 @@ class ServerConfig:
                                "prefer the env var KVSERVE_AUTH_TOKEN over the flag")
     attention: bool = _opt(True, "load the attention-diagnostics graphs when present")
     verify: bool = _opt(True, "verify the artifact against its manifest before loading")
+    trusted_key: str = _opt("", "Ed25519 public key (PEM): serve only an artifact whose "
+                                "manifest is signed by it (manifest.sig)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +118,8 @@ class ServerConfig:
         need(self.request_time_limit >= 0, "request_time_limit must be >= 0")
         need(self.drain_grace >= 0, "drain_grace must be >= 0")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
+        need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
+                                                  "covers the manifest, verify the files)")
 
     @property
     def concurrent_rpcs(self) -> int:
