@@ -43,7 +43,7 @@ class ServerConfig:
     max_new_tokens: int = _opt(1024, "upper bound of max_new_tokens", limit="INVALID_ARGUMENT")
     max_prompt_chars: int = _opt(200_000, "upper bound of a text prompt, in characters",
                                  limit="INVALID_ARGUMENT (Generate text, each Score text, each "
-                                       "Tokenize text; a Tokenize call: 4x in all)")
+                                       "Tokenize text; a Score or Tokenize call: 4x in all)")
     max_stop_strings: int = _opt(8, "stop strings per request", limit="INVALID_ARGUMENT")
     max_stop_string_chars: int = _opt(128, "characters per stop string",
                                       limit="INVALID_ARGUMENT")
@@ -57,7 +57,7 @@ class ServerConfig:
     max_score_sequences: int = _opt(32, "sequences per Score call", limit="INVALID_ARGUMENT")
     max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
                                  limit="INVALID_ARGUMENT (also: tokens per Detokenize "
-                                       "sequence)")
+                                       "sequence, 4x per Detokenize call)")
     score_chunk_floats: int = _opt(8_000_000, "logits floats held at once (prefill chunk x "
                                               "vocab): longer prompts and Score inputs go "
                                               "through the decode graph in chunks of as many "
