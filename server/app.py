@@ -39,13 +39,14 @@ class ArtifactError(Exception):
     """The artifact directory cannot be served; the message says why."""
 
 
-def verify(artifact_dir: Path, trusted_key: str | None = None) -> None:
+def verify(artifact_dir: Path, trusted_key: str | None = None, full: bool = True) -> None:
     try:
         from kvserve.export.verify import VerifyError, verify_artifacts
     except ImportError as e:  # pragma: no cover - the export package ships with the server
         raise ArtifactError(f"cannot verify artifacts: {e}") from None
     try:
-        verify_artifacts(artifact_dir, trusted_key=trusted_key or None)
+        verify_artifacts(artifact_dir, trusted_key=trusted_key or None, check_graphs=full,
+                         check_hashes=full)
     except VerifyError as e:
         raise ArtifactError(str(e)) from None
 
@@ -62,8 +63,8 @@ class App:
     # --- load ------------------------------------------------------------------------------
     def load(self) -> None:
         t0 = time.monotonic()
-        if self.cfg.verify:
-            verify(self.dir, self.cfg.trusted_key)
+        # without --verify still the cheap checks: nothing is sized from an unchecked config
+        verify(self.dir, self.cfg.trusted_key, full=self.cfg.verify)
         try:
             self.lm = OnnxLM(self.dir, provider=self.cfg.provider,
                              threads=self.cfg.threads or None, spin=self.cfg.spin,

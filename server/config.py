@@ -84,7 +84,9 @@ class ServerConfig:
     auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "
                                "prefer the env var KVSERVE_AUTH_TOKEN over the flag")
     attention: bool = _opt(True, "load the attention-diagnostics graphs when present")
-    verify: bool = _opt(True, "verify the artifact against its manifest before loading")
+    verify: bool = _opt(True, "verify the artifact against its manifest before loading (off: "
+                              "no sha256 or onnx.checker; paths, sizes, schema and the config "
+                              "against the graphs are still checked)")
     trusted_key: str = _opt("", "Ed25519 public key (PEM): serve only an artifact whose "
                                 "manifest is signed by it (manifest.sig)")
 

@@ -266,6 +266,18 @@ def test_verify_refuses_rehashed_tampering(refusals, name, capsys):
         assert part in err, (part, err)
 
 
+@pytest.mark.parametrize("name", ["config_n_layers_1e9", "config_n_heads_not_the_graphs",
+                                  "manifest_deeply_nested"])
+def test_no_verify_still_checks_what_buffers_are_sized_from(refusals, name, tmp_path):
+    """--no-verify skips the hashes and onnx.checker, not the schema and config checks."""
+    *_, root = refusals[name]
+    p = subprocess.run(serve_cmd(root, tmp_path / "port.json", "--no-verify"),
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KVSERVE_LOG_LEVEL": "WARNING"})
+    assert p.returncode == 1 and p.stderr.startswith("kvserve serve: refusing to serve"), p.stderr
+    assert refusals[name][2][0] in p.stderr
+
+
 # --- never unpickle ------------------------------------------------------------------------------
 PACKAGES = ["kvserve", "kvserve.model", "kvserve.export", "kvserve.server", "kvserve.clients",
             "kvserve.bench", "kvserve.v1"]
