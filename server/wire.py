@@ -7,8 +7,10 @@ request message itself, in three steps, each before the next costs anything:
 1. size: the bytes are refused when they exceed what the largest valid request of that method
    can take (derived from the caps: ``request_limits``);
 2. counts: one pass over the wire format counts the elements of every repeated field (a packed
-   id list is counted by its bytes, without decoding it) and refuses a count far over its cap,
-   so that the parser never builds millions of elements out of a small message;
+   id list is counted by its bytes, without decoding it) and the characters of the text fields
+   (by their UTF-8 lead bytes), and refuses a count far over its cap, so that the parser never
+   builds millions of elements, or copies megabytes of text, out of a request that is refused
+   anyway;
 3. parse: the protobuf parser; bytes that are not the request message (invalid UTF-8 in a
    string field, truncated, groups, random bytes) are answered INVALID_ARGUMENT
    ``malformed <Method> request``, logged as one WARNING line without a traceback and counted
@@ -69,16 +71,20 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
     base = SLACK + MAX_REQUEST_ID_BYTES
     out = {
         "Generate": MethodLimit(base + generate, {
+            "text.chars": (cfg.max_prompt_chars, "characters"),
             "token_ids.ids": (lim.max_context, "prompt tokens"),
             "stopping.stop": (cfg.max_stop_strings, "stop strings"),
             "stopping.stop_token_ids": (cfg.max_stop_token_ids, "stop token ids"),
             "response.attention.layers": (lim.n_layers, "attention layers"),
             "response.attention.heads": (lim.n_heads, "attention heads")}),
         "Score": MethodLimit(base + score, {
-            "texts": (cfg.max_score_sequences, "texts"),
-            "token_ids": (cfg.max_score_sequences, "token sequences"),
+            "texts": (cfg.max_score_sequences, "sequences"),
+            "texts.chars": (score_chars(cfg), "characters in all"),
+            "token_ids": (cfg.max_score_sequences, "sequences"),
             "token_ids.ids": (cfg.max_score_tokens, "tokens in all")}),
-        "Tokenize": MethodLimit(base + tokenize, {"texts": (MAX_TOKENIZE_TEXTS, "texts")}),
+        "Tokenize": MethodLimit(base + tokenize, {
+            "texts": (MAX_TOKENIZE_TEXTS, "texts"),
+            "texts.chars": (tokenize_chars(cfg), "characters in all")}),
         "Detokenize": MethodLimit(base + detokenize, {
             "token_ids": (MAX_TOKENIZE_TEXTS, "sequences"),
             "token_ids.ids": (detokenize_ids(cfg), "tokens in all")}),
@@ -103,7 +109,8 @@ class OverLimit(Exception):
         self.path, self.count = path, count
 
 
-_HIGH = bytes(range(0x80, 0x100))
+_HIGH = bytes(range(0x80, 0x100))  # bytes of a varint that one more byte follows
+_CONTINUATION = bytes(range(0x80, 0xC0))  # UTF-8 bytes that do not start a character
 _CHUNK = 1 << 16
 _VARINTS = {FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_UINT32, FD.TYPE_UINT64, FD.TYPE_SINT32,
             FD.TYPE_SINT64, FD.TYPE_BOOL, FD.TYPE_ENUM}
@@ -137,15 +144,16 @@ def count_repeated(buf: bytes, desc, caps: dict[str, tuple[int, str]]) -> dict[s
     return counts
 
 
-def _count_varints(buf: bytes, start: int, end: int, stop_after: int) -> int:
-    """Elements of a packed varint list: one byte without the continuation bit ends each.
-    Counted a chunk at a time (no copy of the list), stopping once past ``stop_after``
-    (negative: the field has no cap, its count is not needed)."""
+def _count_units(buf: bytes, start: int, end: int, stop_after: int, skip: bytes) -> int:
+    """Bytes of buf[start:end] not in ``skip``, a chunk at a time (no copy of the field),
+    stopping once past ``stop_after`` (negative: uncapped, not counted). With ``skip`` the
+    bytes with the continuation bit, that is the elements of a packed varint list; with the
+    UTF-8 continuation bytes, the characters of a string."""
     n = 0
     if stop_after < 0:
         return n
     for s in range(start, end, _CHUNK):
-        n += len(buf[s:min(end, s + _CHUNK)].translate(None, _HIGH))
+        n += len(buf[s:min(end, s + _CHUNK)].translate(None, skip))
         if n > stop_after:
             break
     return n
@@ -178,19 +186,27 @@ def _walk(buf, pos, end, desc, prefix, caps, counts, depth) -> None:
             elif fd is not None and fd.is_repeated and fd.type in _VARINTS:
                 path = prefix + fd.name
                 room = guard(caps[path][0]) - counts.get(path, 0) if path in caps else -1
-                n = _count_varints(buf, start, pos, room)
+                n = _count_units(buf, start, pos, room, _HIGH)
             elif fd is not None and fd.is_repeated and fd.type in _FIXED:
                 n = length // _FIXED[fd.type]
+            elif fd is not None and fd.type == FD.TYPE_STRING:
+                _add(prefix + fd.name + ".chars", caps, counts,
+                     lambda room: _count_units(buf, start, pos, room, _CONTINUATION))
         else:  # 3/4: groups (not in proto3 messages), 6/7: invalid
             raise Malformed(f"wire type {wire}")
         if pos > end:
             raise Malformed("truncated field")
         if fd is not None and fd.is_repeated:
-            path = prefix + fd.name
-            if path in caps:
-                c = counts[path] = counts.get(path, 0) + n
-                if c > guard(caps[path][0]):
-                    raise OverLimit(path, c)
+            _add(prefix + fd.name, caps, counts, lambda room: n)
+
+
+def _add(path: str, caps, counts, count) -> None:
+    """counts[path] += count(room left under the guard); OverLimit past the guard."""
+    if path not in caps:
+        return
+    c = counts[path] = counts.get(path, 0) + count(guard(caps[path][0]) - counts.get(path, 0))
+    if c > guard(caps[path][0]):
+        raise OverLimit(path, c)
 
 
 # --- the interceptor -----------------------------------------------------------------------------
