@@ -162,6 +162,12 @@ def test_sigterm_drains_in_flight_streams_then_exits_0(artifact, tmp_path):
 
         assert wait_for(lambda: accepted() == len(calls), 10)  # every call reached the server
         proc.send_signal(signal.SIGTERM)
+        # the signal is handled by the server's main thread, asynchronously: wait until the
+        # drain has begun (health NOT_SERVING comes right after the refusal of new calls), or
+        # on a busy machine "y" can arrive first, be queued and finish within its deadline
+        h = health_pb2_grpc.HealthStub(ch)
+        assert wait_for(lambda: h.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                        == health_pb2.HealthCheckResponse.NOT_SERVING, 10)
         with pytest.raises(grpc.RpcError) as e:
             collect(stub.Generate(gen_request("y", 2), timeout=5))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
