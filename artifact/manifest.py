@@ -10,6 +10,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 CONFIG = "config.json"  # the model config (kvserve.model.config.ModelConfig)
 TOKENIZER = "tokenizer.json"
+SIGNATURE = "manifest.sig"  # optional, beside the manifest (artifact/signing.py); never listed
 FORMAT_VERSION = 1
 
 
@@ -25,12 +26,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def list_files(root: Path) -> list[str]:
-    """Every regular file under root except the manifest, as sorted POSIX relative paths."""
+    """Every regular file under root except the manifest and its signature, as sorted POSIX
+    relative paths."""
     out = []
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, SIGNATURE):
                 out.append(rel)
     return sorted(out)
 

@@ -38,6 +38,9 @@ def add_arguments(parser) -> None:
                              "manifest)")
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--sign-key", default=None,
+                        help="Ed25519 private key (PEM): sign the manifest (manifest.sig); "
+                             "see `kvserve sign --help`")
 
 
 def _quiet_quantizer(record: logging.LogRecord) -> bool:
@@ -63,7 +66,13 @@ def main(args) -> int:
     from .parity import ParityError
     from .pipeline import export_artifacts
     from .precision import PrecisionError
+    from kvserve.artifact.signing import SignatureError, load_private_key, sign_manifest
 
+    try:  # the key is read first: a bad key fails before minutes of export
+        key = load_private_key(args.sign_key) if args.sign_key else None
+    except SignatureError as e:
+        print(f"kvserve export: {e}", file=sys.stderr)
+        return 2
     try:
         out = export_artifacts(args.checkpoint, args.out, precision=args.precision,
                                attention=not args.no_attention, portable=args.portable,
@@ -77,6 +86,8 @@ def main(args) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"kvserve export: {e}", file=sys.stderr)
         return 2
+    if key is not None:
+        sign_manifest(out, key)
     m = json.loads((Path(out) / MANIFEST).read_text())
     p = m["parity"]["fp32"]
     print(f"exported {out} ({m['kind']} graph, {m['precision']}): parity fp32 max |Δlogit| prefill "
@@ -89,4 +100,6 @@ def main(args) -> int:
               f"greedy agreement {q['token_agreement']:.3f}")
     if "perplexity" in m:
         print("  perplexity: " + ", ".join(f"{k} {v:.4g}" for k, v in m["perplexity"].items()))
+    if key is not None:
+        print(f"  signed: {Path(out) / 'manifest.sig'}")
     return 0

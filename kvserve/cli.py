@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
                                      "parity gate and a manifest"),
     "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),
+    "sign": ("kvserve.artifact.signing", "sign an artifact's manifest (Ed25519), or make a key "
+                                         "pair"),
     "serve": ("kvserve.server.main", "serve an artifact directory over gRPC"),
     "generate": ("kvserve.clients.generate", "stream a completion from a server"),
     "score": ("kvserve.clients.score", "score a file of texts against a server"),

@@ -20,8 +20,10 @@ START, END = "<!-- limits:start -->", "<!-- limits:end -->"
 
 STATUS_CODES = [
     ("OK", "done; a Generate stream ends with one Complete (finish_reason says why)"),
-    ("INVALID_ARGUMENT", "the request is wrong: the message names the field and its limit; "
-                         "do not retry it unchanged (gRPC itself never sends this code)"),
+    ("INVALID_ARGUMENT", "the request is wrong: the message names the field and its limit "
+                         "(or says `malformed <Method> request` for bytes that are not the "
+                         "request message); do not retry it unchanged (gRPC itself never "
+                         "sends this code)"),
     ("RESOURCE_EXHAUSTED", "over capacity (queue full, too many calls) or a message over the "
                            "size limit; retry later / send less"),
     ("UNAVAILABLE", "not ready yet (loading), draining after SIGTERM, or unreachable; retry, "
@@ -34,9 +36,7 @@ STATUS_CODES = [
     ("FAILED_PRECONDITION", "the request needs text and the model has no tokenizer (its "
                             "artifact has no tokenizer.json): send token ids; do not retry "
                             "unchanged"),
-    ("INTERNAL", "a server fault (the message carries no internals), or gRPC's own "
-                 "'Exception deserializing request!' for bytes that are not the request "
-                 "message"),
+    ("INTERNAL", "a server fault (the message carries no internals)"),
 ]
 
 
@@ -72,8 +72,11 @@ def fixed_rows() -> list[tuple[str, str, str, str]]:
          "INVALID_ARGUMENT"),
         ("temperature served as greedy below", "(fixed)", f"{GREEDY_BELOW_TEMPERATURE:g}",
          "not an error"),
-        ("gRPC message size, each way (`grpc.max_receive_message_length`)", "(derived)",
-         ">= 4 MiB + 1 MiB, sized from the caps above", "RESOURCE_EXHAUSTED from gRPC itself"),
+        ("request size per method: the largest valid request under the caps above (4 bytes "
+         "per character, 6 per token id)", "(derived)", "with the defaults: Generate ~0.8 MB, Score and Tokenize "
+         "~3.2 MB, Detokenize ~1.6 MB", "INVALID_ARGUMENT before the request is parsed"),
+        ("gRPC receive limit (`grpc.max_receive_message_length`)", "(derived)",
+         "the largest per-method size", "RESOURCE_EXHAUSTED from gRPC itself"),
     ]
 
 

@@ -21,6 +21,7 @@ from kvserve.artifact.loader import load_lm
 from kvserve.artifact.manifest import MANIFEST, TOKENIZER
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
+from . import wire
 from .auth import BearerTokenInterceptor
 from .config import ServerConfig
 from .detok import TokenBytes
@@ -39,13 +40,14 @@ class ArtifactError(Exception):
     """The artifact directory cannot be served; the message says why."""
 
 
-def verify(artifact_dir: Path) -> None:
+def verify(artifact_dir: Path, trusted_key: str | None = None, full: bool = True) -> None:
     try:
         from kvserve.artifact.verify import VerifyError, verify_artifacts
     except ImportError as e:  # pragma: no cover - the export package ships with the server
         raise ArtifactError(f"cannot verify artifacts: {e}") from None
     try:
-        verify_artifacts(artifact_dir)
+        verify_artifacts(artifact_dir, trusted_key=trusted_key or None, check_graphs=full,
+                         check_hashes=full)
     except VerifyError as e:
         raise ArtifactError(str(e)) from None
 
@@ -62,8 +64,8 @@ class App:
     # --- load ------------------------------------------------------------------------------
     def load(self) -> None:
         t0 = time.monotonic()
-        if self.cfg.verify:
-            verify(self.dir)
+        # without --verify still the cheap checks: nothing is sized from an unchecked config
+        verify(self.dir, self.cfg.trusted_key, full=self.cfg.verify)
         try:
             self.lm = load_lm(self.dir, provider=self.cfg.provider,
                               threads=self.cfg.threads or None, spin=self.cfg.spin,
@@ -107,19 +109,34 @@ class App:
                         "export with --precision fp32 (or int8) for CPU", self.dir)
 
     # --- serve -----------------------------------------------------------------------------
-    def _message_limit(self) -> int:
+    def _send_limit(self) -> int:
+        """The largest response: a Generate chunk with logits and attention rows, or a Score
+        response with top logprobs."""
         c, m = self.cfg, self.lm.cfg
         per_chunk = 4 * (m.vocab_size + c.max_attention_floats) + 64 * (c.max_top_logprobs + 1)
         score = c.max_score_tokens * (24 + 32 * c.max_top_logprobs)
-        return max(4 << 20, per_chunk, score, 4 * c.max_prompt_chars * 4) + (1 << 20)
+        return max(4 << 20, per_chunk, score) + (1 << 20)
+
+    def receive_limit(self) -> int:
+        """grpc.max_receive_message_length: the largest valid request (from the caps)."""
+        return wire.receive_limit(wire.request_limits(self.cfg, self.limits))
+
+    def _on_refused(self, rpc: str) -> None:
+        self.metrics.requests.inc(rpc=rpc, outcome="InvalidArgument")
 
     def start(self) -> int:
         c = self.cfg
+        # auth first: a call without the right token is refused before its bytes are parsed;
+        # then the request bytes are checked and parsed by wire (never by gRPC itself)
         interceptors = [BearerTokenInterceptor(c.auth_token)] if c.auth_token else []
-        limit = self._message_limit()
+        interceptors.append(wire.WireInterceptor(
+            wire.request_limits(c, self.limits),
+            on_malformed=lambda rpc: self.metrics.malformed.inc(rpc=rpc),
+            on_refused=self._on_refused))
+        limit = self.receive_limit()
         options = [
             ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            ("grpc.max_send_message_length", self._send_limit()),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_timeout_ms", 20_000),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
@@ -154,7 +171,7 @@ class App:
         if not self.port:
             raise OSError(f"cannot listen on {addr} (port in use?)")
         self.server.start()
-        log.info("gRPC listening on %s:%d (%s%s), max message %d bytes", c.host, self.port,
+        log.info("gRPC listening on %s:%d (%s%s), max request %d bytes", c.host, self.port,
                  "TLS" if c.tls_cert else "plaintext", ", auth" if c.auth_token else "", limit)
         if c.metrics_port >= 0:
             self.metrics_server = MetricsServer(self.metrics, c.host, c.metrics_port)

@@ -22,8 +22,8 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover  (makes this a generator for streaming handlers)
 
-    kw = dict(request_deserializer=handler.request_deserializer,
-              response_serializer=handler.response_serializer)
+    # the body is never parsed for a refused call: bytes in (no deserializer), nothing read
+    kw = dict(request_deserializer=None, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(lambda it, c: abort_stream(None, c), **kw)
     if handler.request_streaming:

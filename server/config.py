@@ -45,7 +45,7 @@ class ServerConfig:
     max_new_tokens: int = _opt(1024, "upper bound of max_new_tokens", limit="INVALID_ARGUMENT")
     max_prompt_chars: int = _opt(200_000, "upper bound of a text prompt, in characters",
                                  limit="INVALID_ARGUMENT (Generate text, each Score text, each "
-                                       "Tokenize text; a Tokenize call: 4x in all)")
+                                       "Tokenize text; a Score or Tokenize call: 4x in all)")
     max_stop_strings: int = _opt(8, "stop strings per request", limit="INVALID_ARGUMENT")
     max_stop_string_chars: int = _opt(128, "characters per stop string",
                                       limit="INVALID_ARGUMENT")
@@ -59,7 +59,7 @@ class ServerConfig:
     max_score_sequences: int = _opt(32, "sequences per Score call", limit="INVALID_ARGUMENT")
     max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
                                  limit="INVALID_ARGUMENT (also: tokens per Detokenize "
-                                       "sequence)")
+                                       "sequence, 4x per Detokenize call)")
     score_chunk_floats: int = _opt(8_000_000, "logits floats held at once (prefill chunk x "
                                               "vocab): longer prompts and Score inputs go "
                                               "through the decode graph in chunks of as many "
@@ -86,7 +86,11 @@ class ServerConfig:
     auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "
                                "prefer the env var KVSERVE_AUTH_TOKEN over the flag")
     attention: bool = _opt(True, "load the attention-diagnostics graphs when present")
-    verify: bool = _opt(True, "verify the artifact against its manifest before loading")
+    verify: bool = _opt(True, "verify the artifact against its manifest before loading (off: "
+                              "no sha256 or onnx.checker; paths, sizes, schema and the config "
+                              "against the graphs are still checked)")
+    trusted_key: str = _opt("", "Ed25519 public key (PEM): serve only an artifact whose "
+                                "manifest is signed by it (manifest.sig)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,6 +122,8 @@ class ServerConfig:
         need(self.request_time_limit >= 0, "request_time_limit must be >= 0")
         need(self.drain_grace >= 0, "drain_grace must be >= 0")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
+        need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
+                                                  "covers the manifest, verify the files)")
 
     @property
     def concurrent_rpcs(self) -> int:

@@ -116,8 +116,11 @@ class Metrics:
         self.tokens_in = Counter(p + "prompt_tokens_total", "prompt tokens admitted")
         self.tokens_out = Counter(p + "generated_tokens_total", "tokens generated")
         self.scored = Counter(p + "scored_tokens_total", "tokens scored by Score")
+        self.malformed = Counter(p + "malformed_requests_total",
+                                 "requests whose bytes are not the request message, by RPC")
         self.all = [self.requests, self.queue, self.running_g, self.queue_time, self.ttft,
-                    self.itl, self.step_time, self.tokens_in, self.tokens_out, self.scored]
+                    self.itl, self.step_time, self.tokens_in, self.tokens_out, self.scored,
+                    self.malformed]
 
     # engine hooks
     def queue_depth(self, n: int) -> None:

@@ -224,8 +224,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if n > self.lim.cfg.max_score_sequences:
                     raise InvalidArgument(f"{name} has {n} sequences; the limit is "
                                           f"{self.lim.cfg.max_score_sequences} per call")
-            seqs = [self._prompt_ids(t, None) for t in request.texts] or \
-                [list(s.ids) for s in request.token_ids]
+            if request.texts:
+                seqs = self._score_texts(request.texts)
+            else:  # lengths first: no id becomes a Python int before they pass
+                V.score_lengths([len(s.ids) for s in request.token_ids], self.lim)
+                seqs = [list(s.ids) for s in request.token_ids]
             req = V.score_request(seqs, request.top_logprobs, request.request_id, self.lim)
             req.deadline = self._deadline(context)
             handle, fut = self.engine.submit_score(req)
@@ -260,6 +263,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._count("Score", "ok")
         return out
 
+    def _score_texts(self, texts) -> list[list[int]]:
+        """Characters checked before anything is tokenized; tokenized one text at a time,
+        stopping as soon as the call is over its token budget."""
+        texts = V.check_texts(texts, V.score_chars(self.lim.cfg), self.lim,
+                              name=lambda i: "text", what="texts: ")
+        budget, seqs, total = self.lim.cfg.max_score_tokens, [], 0
+        for i, t in enumerate(texts):
+            seqs.append(self.tok.encode(t))
+            total += len(seqs[-1])
+            if total > budget:
+                raise InvalidArgument(f"the texts have {total} tokens in all after {i + 1} of "
+                                      f"{len(texts)}; the limit is {budget} per call")
+        return seqs
+
     # --- tokenizer -----------------------------------------------------------------------------
     def Tokenize(self, request, context):  # noqa: N802
         try:
@@ -267,12 +284,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._need_tokenizer("Tokenize")
             if len(request.texts) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
-            texts = [V.check_text(f"texts[{i}]", t, self.lim) for i, t in
-                     enumerate(request.texts)]
-            total = sum(map(len, texts))
-            if total > self.lim.cfg.max_prompt_chars * 4:
-                raise InvalidArgument(f"{total} characters in all; the limit is "
-                                      f"{self.lim.cfg.max_prompt_chars * 4}")
+            texts = V.check_texts(request.texts, V.tokenize_chars(self.lim.cfg), self.lim)
         except ServingError as e:
             _abort(context, e)
         ids = self.tok.encode_batch(texts) if texts else []
@@ -284,6 +296,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._need_tokenizer("Detokenize")
             if len(request.token_ids) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} sequences per call")
+            total = sum(len(s.ids) for s in request.token_ids)
+            if total > V.detokenize_ids(self.lim.cfg):
+                raise InvalidArgument(f"{total} token ids in all; the limit is "
+                                      f"{V.detokenize_ids(self.lim.cfg)} per call")
             seqs = [V.check_ids(f"token_ids[{i}]", s.ids, self.lim,
                                 max_len=self.lim.cfg.max_score_tokens)
                     for i, s in enumerate(request.token_ids)]

@@ -17,6 +17,22 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_SEED = (1 << 64) - 1
 
 
+# the per-call totals of the text and id lists (also used to size the receive limit)
+def score_chars(cfg) -> int:
+    """Characters of all Score texts together (each text: max_prompt_chars)."""
+    return 4 * cfg.max_prompt_chars
+
+
+def tokenize_chars(cfg) -> int:
+    """Characters of all Tokenize texts together (each text: max_prompt_chars)."""
+    return 4 * cfg.max_prompt_chars
+
+
+def detokenize_ids(cfg) -> int:
+    """Token ids of all Detokenize sequences together (each sequence: max_score_tokens)."""
+    return 4 * cfg.max_score_tokens
+
+
 @dataclass(frozen=True)
 class Limits:
     """The bounds of one server on one model (ModelInfo reports them)."""
@@ -58,13 +74,42 @@ def check_text(name: str, text: str, lim: Limits) -> str:
 
 
 def check_ids(name: str, ids: Sequence[int], lim: Limits, max_len: int | None = None) -> list[int]:
+    """``ids`` may be a protobuf repeated field: its length is checked before any element
+    becomes a Python int."""
+    if max_len is not None:
+        _need(len(ids) <= max_len, f"{name} has {len(ids)} tokens; the limit is {max_len}")
     ids = [int(i) for i in ids]
     bad = next((i for i in ids if not 0 <= i < lim.vocab_size), None)
     _need(bad is None, f"{name} contains token id {bad}, outside the vocabulary "
                        f"[0, {lim.vocab_size})")
-    if max_len is not None:
-        _need(len(ids) <= max_len, f"{name} has {len(ids)} tokens; the limit is {max_len}")
     return ids
+
+
+def score_lengths(lengths: Sequence[int], lim: Limits) -> None:
+    """The Score bounds that need only each sequence's length (checked before the sequences
+    are materialized)."""
+    total = 0
+    for i, n in enumerate(lengths):
+        _need(n >= 1, f"sequence {i} is empty (it needs at least 1 token)")
+        _need(n <= lim.max_context,
+              f"sequence {i} has {n} tokens; the context limit is {lim.max_context}")
+        total += n
+    _need(total <= lim.cfg.max_score_tokens,
+          f"the sequences have {total} tokens in all; the limit is {lim.cfg.max_score_tokens} "
+          f"per call")
+
+
+def check_texts(texts: Sequence[str], limit: int, lim: Limits, name=lambda i: f"texts[{i}]",
+                what: str = "") -> list[str]:
+    """Each text within max_prompt_chars and all of them within ``limit`` characters, before
+    any of them is tokenized. ``texts`` may be a protobuf repeated field: each text becomes a
+    Python str only for its length check (none is kept until all have passed)."""
+    total = 0
+    for i, t in enumerate(texts):
+        check_text(name(i), t, lim)
+        total += len(t)
+    _need(total <= limit, f"{what}{total} characters in all; the limit is {limit}")
+    return list(texts)
 
 
 def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -174,16 +219,9 @@ def score_request(sequences: list[list[int]], top_logprobs: int, request_id: str
                                f"{c.max_score_sequences} sequences)")
     _need(len(sequences) <= c.max_score_sequences,
           f"{len(sequences)} sequences; the limit is {c.max_score_sequences} per call")
-    total = 0
+    score_lengths([len(s) for s in sequences], lim)
     for i, s in enumerate(sequences):
-        _need(len(s) >= 1, f"sequence {i} is empty (it needs at least 1 token)")
-        _need(len(s) <= lim.max_context,
-              f"sequence {i} has {len(s)} tokens; the context limit is {lim.max_context}")
         check_ids(f"sequence {i}", s, lim)
-        total += len(s)
-    _need(total <= c.max_score_tokens,
-          f"the sequences have {total} tokens in all; the limit is {c.max_score_tokens} "
-          f"per call")
     _need(0 <= top_logprobs <= c.max_top_logprobs,
           f"top_logprobs must be in [0, {c.max_top_logprobs}]")
     return ScoreRequest([list(map(int, s)) for s in sequences], int(top_logprobs),

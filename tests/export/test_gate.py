@@ -138,3 +138,22 @@ def test_cli_export_and_verify_succeed(main_ckpt, main_artifact, tmp_path, monke
     assert cli.main(argv) == 2
     assert "exists" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+def test_cli_export_signs_with_sign_key(main_ckpt, main_artifact, tmp_path, monkeypatch,
+                                        capsys):
+    """--sign-key: a bad key fails before any export work; a good one signs the manifest."""
+    monkeypatch.setattr(pipeline, "export_graph", _fake_export(main_artifact))
+    key = tmp_path / "keys" / "k"
+    key.parent.mkdir()
+    assert cli.main(["sign", "--generate-key", str(key)]) == 0
+    out = tmp_path / "art"
+    argv = ["export", str(main_ckpt), "--out", str(out), "--no-attention",
+            "--threads", str(THREADS), "--sign-key"]
+    capsys.readouterr()
+    assert cli.main(argv + [str(tmp_path / "missing")]) == 2
+    assert "cannot read signing key" in capsys.readouterr().err and not out.exists()
+    assert cli.main(argv + [str(key)]) == 0
+    assert "signed: " in capsys.readouterr().out
+    assert cli.main(["verify", str(out), "--trusted-key", f"{key}.pub"]) == 0
+    assert "manifest signed by the trusted key" in capsys.readouterr().out

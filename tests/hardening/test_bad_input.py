@@ -249,7 +249,7 @@ def test_matrix_is_complete():
 def test_message_over_the_receive_limit_is_resource_exhausted(hsrv):
     """The server's grpc.max_receive_message_length is derived from its caps (a few MiB here):
     a bigger message is refused by gRPC itself, before any handler runs."""
-    limit = hsrv.app._message_limit()
+    limit = hsrv.app.receive_limit()
     before = hsrv.app.metrics.tokens_in.get()
     with pytest.raises(grpc.RpcError) as e:
         collect(hsrv.stub.Generate(G("a" * (limit + 1024), 1), timeout=60))
