@@ -266,6 +266,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _score_texts(self, texts) -> list[list[int]]:
         """Characters checked before anything is tokenized; tokenized one text at a time,
         stopping as soon as the call is over its token budget."""
+        self._need_tokenizer("a text prompt")
         texts = V.check_texts(texts, V.score_chars(self.lim.cfg), self.lim,
                               name=lambda i: "text", what="texts: ")
         budget, seqs, total = self.lim.cfg.max_score_tokens, [], 0
