@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import kvserve
-from kvserve.model.checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model
+from kvserve.model.checkpoint import CONFIG, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, load_model
 from kvserve.server.runtime import OnnxLM
 
 from . import precision as prec
@@ -64,7 +64,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             export_graph(model, spec, work)
             bar.update()
         _graphs_manifest(work, cfg, specs)
-        for name in (CONFIG, TOKENIZER):
+        for name in (CONFIG, TOKENIZER, TOKENIZER_CONFIG):  # hashed by the manifest below
             if (ckpt / name).is_file():
                 shutil.copy(ckpt / name, tmp / name)
         shutil.copy(ckpt / CONFIG, work / CONFIG)

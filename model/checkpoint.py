@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+# the chat template and the special-token strings it uses (import-hf writes it; export copies it)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def model_state(model: Transformer) -> dict[str, torch.Tensor]:

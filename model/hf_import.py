@@ -27,7 +27,8 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .checkpoint import CONFIG, TOKENIZER, WEIGHTS, load_model, model_state, save_checkpoint
+from .checkpoint import (CONFIG, TOKENIZER, TOKENIZER_CONFIG, WEIGHTS, load_model, model_state,
+                         save_checkpoint)
 from .config import ModelConfig
 from .transformer import Transformer
 
@@ -530,6 +531,51 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> Transformer:
     return model.eval()
 
 
+# --- chat template and generation settings ----------------------------------------------------
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        v = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{path.name} is not valid JSON ({e})") from None
+    return v if isinstance(v, dict) else {}
+
+
+def chat_config(src_dir: Path) -> dict[str, Any] | None:
+    """The chat template (chat_template.jinja > chat_template.json > tokenizer_config.json's
+    chat_template, as transformers loads them) and the special-token strings the template
+    may use, as a slim tokenizer_config.json; None when the model has no template."""
+    tc = _read_json(src_dir / "tokenizer_config.json")
+    template: Any = tc.get("chat_template")
+    if (src_dir / "chat_template.json").is_file():
+        template = _read_json(src_dir / "chat_template.json").get("chat_template", template)
+    if (src_dir / "chat_template.jinja").is_file():
+        template = (src_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if not template:
+        return None
+    stm = _read_json(src_dir / "special_tokens_map.json")
+    out: dict[str, Any] = {"chat_template": template}
+    for name in _SPECIAL_TOKENS:
+        v = tc.get(name, stm.get(name))
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
+def _generation_eos_ids(src_dir: Path, vocab: int) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list): every one ends generation."""
+    v = _read_json(src_dir / "generation_config.json").get("eos_token_id")
+    ids = v if isinstance(v, list) else [v]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab]
+
+
 # --- the import --------------------------------------------------------------------------------
 def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
               allow_unknown_keys: bool = False) -> Path:
@@ -556,6 +602,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
         raise HFImportError(f"{len(unused)} Hugging Face tensors were not consumed, so the "
                             f"model has parts kvserve would drop: {unused[:20]}"
                             + (" ..." if len(unused) > 20 else ""))
+    gen_eos = _generation_eos_ids(src_dir, cfg.vocab_size)
+    if gen_eos:
+        known = list(cfg.extra.get("eos_token_ids") or [])
+        cfg.extra["eos_token_ids"] = known + [i for i in gen_eos if i not in known]
     cfg.extra.update(hf_dtype=dtypes, hf_weight_files=[f.name for f in files],
                      hf_config_sha256=hashlib.sha256((src_dir / "config.json").read_bytes())
                      .hexdigest())
@@ -566,7 +616,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
     if tokenizer_json is None:
         log.warning("%s has no tokenizer.json; the checkpoint works with token ids only",
                     src_dir)
-    save_checkpoint(out, model, tokenizer_json=tokenizer_json)
+    chat = chat_config(src_dir)
+    extra = {TOKENIZER_CONFIG: (json.dumps(chat, indent=2, sort_keys=True) + "\n").encode()} \
+        if chat else None
+    if chat is None:
+        log.info("%s has no chat template; chat requests to the served model will be refused",
+                 src_dir)
+    save_checkpoint(out, model, tokenizer_json=tokenizer_json, extra_files=extra)
 
     # Verify: the written checkpoint loads into the kvserve model and holds exactly what
     # was converted.

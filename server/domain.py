@@ -30,6 +30,11 @@ class Unimplemented(ServingError):
     pass
 
 
+class FailedPrecondition(ServingError):
+    """The request is fine but this server cannot do it (a chat request to a model without a
+    usable chat template)."""
+
+
 # --- requests -----------------------------------------------------------------------------------
 class FinishReason(enum.Enum):
     LENGTH = "length"

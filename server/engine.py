@@ -64,9 +64,10 @@ class NullMetrics:
 class Handle:
     """The caller's side of one request: events arrive on ``events``; ``cancel()`` any time."""
 
-    def __init__(self, engine: "Engine", request_id: str):
+    def __init__(self, engine: "Engine", request_id: str, events=None):
         self.request_id = request_id
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        # anything with put(event) from the engine thread (the HTTP API's asyncio bridge)
+        self.events = queue.SimpleQueue() if events is None else events
         self._engine = engine
         self.cancelled = False
 
@@ -146,12 +147,14 @@ class _Scored:
 class Engine:
     def __init__(self, lm: OnnxLM, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  prefill_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
-                 metrics=None):
+                 metrics=None, extra_eos_ids: tuple[int, ...] = ()):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
         self.prefill_tokens = max(1, prefill_floats // self.cfg.vocab_size)
         self.eos_id = eos_id
+        # every id that ends a sequence (a model may have several: Llama 3's <|eot_id|>...)
+        self.eos_ids = frozenset(([] if eos_id is None else [eos_id]) + list(extra_eos_ids))
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
         self.kv = KVBuffers(self.cfg, max_batch)
@@ -190,8 +193,8 @@ class Engine:
             self._cond.notify_all()
 
     # --- submission (any thread) ---------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> Handle:
-        h = Handle(self, req.request_id or f"gen-{next(self._ids)}")
+    def submit(self, req: GenerateRequest, events=None) -> Handle:
+        h = Handle(self, req.request_id or f"gen-{next(self._ids)}", events)
         seq = _Seq(req, h, submitted=time.monotonic())
         if self.request_time_limit:
             limit = seq.submitted + self.request_time_limit
@@ -421,7 +424,7 @@ class Engine:
 
         finish, stop_seq = None, ""
         armed = k >= st.min_new_tokens
-        if armed and tok == self.eos_id and not st.ignore_eos:
+        if armed and tok in self.eos_ids and not st.ignore_eos:
             finish, ev.special = FinishReason.EOS_TOKEN, True
         elif armed and tok in st.stop_token_ids:
             finish, ev.special = FinishReason.STOP_TOKEN, True
