@@ -67,6 +67,7 @@ class OpenAIApi:
 
     # --- app ---------------------------------------------------------------------------------
     def app(self, max_body: int) -> web.Application:
+        self.max_body = max_body
         app = web.Application(client_max_size=max_body, middlewares=[self._errors, self._check_auth])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
@@ -85,7 +86,7 @@ class OpenAIApi:
         except web.HTTPRequestEntityTooLarge as e:
             self._count(request, "request_too_large")
             return _error(ApiError(413, f"the request body is over the limit of "
-                                        f"{e.max_size} bytes", code="request_too_large"))
+                                        f"{self.max_body} bytes", code="request_too_large"))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
