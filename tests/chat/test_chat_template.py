@@ -101,3 +101,17 @@ def test_template_sources(tmp_path):
     (tmp_path / TOKENIZER_CONFIG).write_text('{"chat_template": "{% for %}"}')
     with pytest.raises(ValueError, match="unusable chat template"):
         ChatTemplate.load(tmp_path)
+
+
+def test_exported_artifact_carries_the_template(chat_artifact):
+    """export copied the checkpoint's tokenizer_config.json; the manifest hashes it (so verify
+    refuses a changed template)."""
+    import json
+
+    from kvserve.export.manifest import sha256_file
+    from kvserve.server.chat_template import TOKENIZER_CONFIG
+
+    path = chat_artifact.dir / TOKENIZER_CONFIG
+    manifest = json.loads((chat_artifact.dir / "manifest.json").read_text())
+    assert manifest["files"][TOKENIZER_CONFIG]["sha256"] == sha256_file(path)
+    assert ChatTemplate.load(chat_artifact.dir).source == CHATML_TEMPLATE

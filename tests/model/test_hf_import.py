@@ -306,3 +306,29 @@ def test_cli_success_and_help(imported, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli_main(["import-hf", "--help"])
     assert "MistralForCausalLM" in capsys.readouterr().out
+
+
+def test_chat_template_and_eos_ids_are_carried(imported, tmp_path):
+    """tokenizer_config.json's chat_template (chat_template.jinja wins, as in transformers) and
+    the special-token strings go into the checkpoint's slim tokenizer_config.json;
+    generation_config.json's EOS ids join the model's."""
+    import json
+
+    from kvserve.model.checkpoint import TOKENIZER_CONFIG
+    from kvserve.model.config import ModelConfig
+
+    _, hf_dir, _ = imported("llama_mha_bias")
+    src = _rewrite_weights(hf_dir, tmp_path / "hf", lambda sd: sd)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{{ messages }}", "bos_token": {"content": "<s>", "special": True},
+        "eos_token": "</s>", "model_max_length": 10 ** 30}))
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 10 ** 9]}))
+    out = import_hf(src, tmp_path / "ckpt")
+    tc = json.loads((out / TOKENIZER_CONFIG).read_text())
+    assert tc == {"chat_template": "{{ messages }}", "bos_token": "<s>", "eos_token": "</s>"}
+    assert ModelConfig.load(out / "config.json").extra["eos_token_ids"] == [2, 3, 7]
+    (src / "chat_template.jinja").write_text("J{{ bos_token }}")
+    out = import_hf(src, tmp_path / "ckpt2")
+    assert json.loads((out / TOKENIZER_CONFIG).read_text())["chat_template"] == "J{{ bos_token }}"
+    no_template = _rewrite_weights(hf_dir, tmp_path / "hf3", lambda sd: sd)
+    assert not (import_hf(no_template, tmp_path / "ckpt3") / TOKENIZER_CONFIG).exists()
