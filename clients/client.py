@@ -207,7 +207,7 @@ def _model_info(r: pb.ModelInfoResponse) -> ModelInfo:
 
 
 # --- requests -------------------------------------------------------------------------------------
-def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, top_k: int = 0,
+def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperature: float = 0.0, top_k: int = 0,
                      top_p: float | None = None, min_p: float = 0.0,
                      repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, seed: int | None = None,
@@ -217,8 +217,10 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
                      return_logits: bool = False, attention_layers: Sequence[int] = (),
                      attention_heads: Sequence[int] = (), request_id: str = ""
                      ) -> pb.GenerateRequest:
-    """Build a ``GenerateRequest``. ``None`` leaves an optional field unset (the server's
-    default); ``max_new_tokens=0`` is the server default."""
+    """Build a ``GenerateRequest``. ``prompt``: text, token ids, or chat messages (dicts with
+    ``role`` and ``content``, rendered by the server with the model's chat template). ``None``
+    leaves an optional field unset (the server's default); ``max_new_tokens=0`` is the server
+    default."""
     s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty)
@@ -240,6 +242,9 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
         request_id=request_id)
     if isinstance(prompt, str):
         r.text = prompt
+    elif prompt and isinstance(prompt[0], dict):  # chat messages: [{"role", "content"}, ...]
+        r.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                               for m in prompt)
     else:
         r.token_ids.ids.extend(int(i) for i in prompt)
     return r
