@@ -31,6 +31,8 @@ STATUS_CODES = [
     ("UNAUTHENTICATED", "missing or wrong `authorization: Bearer <token>` (health is exempt)"),
     ("UNIMPLEMENTED", "an option this server cannot do (attention without the attention "
                       "graphs)"),
+    ("FAILED_PRECONDITION", "a chat prompt to a model without a usable chat template, or whose "
+                            "template tried to leave the sandbox (HTTP API: 400)"),
     ("INTERNAL", "a server fault (the message carries no internals), or gRPC's own "
                  "'Exception deserializing request!' for bytes that are not the request "
                  "message"),

@@ -69,9 +69,10 @@ class ServerConfig:
                                         "then bounded like any prompt)",
                                limit="INVALID_ARGUMENT (HTTP: 400)")
     max_n: int = _opt(4, "choices per HTTP completion request (n x prompts)",
-                      limit="HTTP 400")
+                      limit="HTTP 400 (the HTTP form of INVALID_ARGUMENT)")
     max_http_body_bytes: int = _opt(8 << 20, "bytes of an HTTP request body",
-                                    limit="HTTP 413")
+                                    limit="HTTP 413 (the HTTP form of RESOURCE_EXHAUSTED: send "
+                                          "less)")
     max_score_sequences: int = _opt(32, "sequences per Score call", limit="INVALID_ARGUMENT")
     max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
                                  limit="INVALID_ARGUMENT (also: tokens per Detokenize "

@@ -356,8 +356,9 @@ class HttpServer:
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
+        # by the time stop() runs, the drain has ended every request: a short shutdown wait
         runner = web.AppRunner(self.api.app(self.max_body), handler_cancellation=True,
-                               access_log=None)
+                               access_log=None, shutdown_timeout=3.0)
         try:
             loop.run_until_complete(runner.setup())
             ctx = None
