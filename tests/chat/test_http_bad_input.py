@@ -156,3 +156,32 @@ def test_capacity_draining_and_no_template(artifact):
             assert c.getresponse().status == 503
         finally:
             app.state.draining = False
+
+
+def test_health_is_503_until_warmed_up():
+    """The HTTP server starts before the warm-up (App.start); until the state says ready,
+    /health and the API answer 503."""
+    from kvserve.server.http_api import HttpServer, OpenAIApi
+    from kvserve.server.servicer import ServingState
+
+    state = ServingState()
+    srv = HttpServer(OpenAIApi(None, None, None, state, None, "m", 0), "127.0.0.1", 0, 1 << 20)
+    port = srv.start()
+
+    def get(path):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        c.request("GET", path)
+        r = c.getresponse()
+        out = r.status, json.loads(r.read())
+        c.close()
+        return out
+
+    try:
+        assert get("/health") == (503, {"status": "loading"})
+        status, body = get("/v1/models")
+        assert status == 503 and "still loading" in body["error"]["message"]
+        state.ready = True
+        assert get("/health") == (200, {"status": "ok", "model": "m"})
+        assert get("/v1/models")[1]["data"][0]["id"] == "m"
+    finally:
+        srv.stop()
