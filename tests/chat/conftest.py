@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("torch")
 
+from chat_helpers import TOKEN  # noqa: E402
 from kvserve_testing import build_chat_artifact, running_app  # noqa: E402
 
-TOKEN = "chat-test-token"
 
 
 @pytest.fixture(scope="session")
@@ -47,5 +47,3 @@ def chat_stub(chat_app):
     yield pb_grpc.InferenceStub(ch)
     ch.close()
 
-
-AUTH = (("authorization", f"Bearer {TOKEN}"),)

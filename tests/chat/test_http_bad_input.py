@@ -14,7 +14,7 @@ import pytest
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
-from conftest import TOKEN
+from chat_helpers import TOKEN
 from kvserve_testing import collect, gen_request, running_app
 
 CHAT = "/v1/chat/completions"

@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.v1 import inference_pb2 as pb
 
-from conftest import AUTH, TOKEN
+from chat_helpers import AUTH, TOKEN
 from kvserve_testing import CHATML_TEMPLATE, collect, gen_request
 
 openai = pytest.importorskip("openai")
@@ -160,7 +160,8 @@ def test_http_and_grpc_streams_share_the_batch(oai, chat_app, chat_stub):
     """16 HTTP streams and 4 gRPC streams at once: each gets its own greedy answer (as when
     alone), and the engine decodes them together (max_batch 8 running at once)."""
     prompts = [f"# doc {i}\n" for i in range(16)]
-    alone = {p: oai.completions.create(model="artifact", prompt=p, max_tokens=12, temperature=0,
+    n = 96  # long enough for the 20 streams to overlap
+    alone = {p: oai.completions.create(model="artifact", prompt=p, max_tokens=n, temperature=0,
                                        extra_body={"ignore_eos": True}).choices[0].text
              for p in prompts[:4]}
     results, errors, peak = {}, [], [0]
@@ -173,7 +174,7 @@ def test_http_and_grpc_streams_share_the_batch(oai, chat_app, chat_stub):
 
     def http(i):
         try:
-            s = oai.completions.create(model="artifact", prompt=prompts[i], max_tokens=12,
+            s = oai.completions.create(model="artifact", prompt=prompts[i], max_tokens=n,
                                        temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
             results[("http", i)] = "".join(c.choices[0].text for c in s)
@@ -182,7 +183,7 @@ def test_http_and_grpc_streams_share_the_batch(oai, chat_app, chat_stub):
 
     def grpc_(i):
         try:
-            _, done = collect(chat_stub.Generate(gen_request(prompts[i], 12), metadata=AUTH))
+            _, done = collect(chat_stub.Generate(gen_request(prompts[i], n), metadata=AUTH))
             results[("grpc", i)] = done.text
         except Exception as e:  # noqa: BLE001
             errors.append(e)
