@@ -9,7 +9,9 @@ template is told at the first turn (FAILED_PRECONDITION) and the command exits 1
 from __future__ import annotations
 
 import argparse
+import queue
 import sys
+import threading
 
 import grpc
 
@@ -17,6 +19,7 @@ from .client import Completion, KvserveError, TokenEvent
 from .common import add_connection_arguments, client_from_args, fail
 
 PROMPT = "you> "
+_END = object()
 HELP = "[/reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer]"
 
 
@@ -82,28 +85,58 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
-    """One answer, streamed; appends it to ``history``. Returns an exit code to stop with."""
+    """One answer, streamed; appends it to ``history``. Returns an exit code to stop with.
+
+    The stream is read on a helper thread; this thread only waits on a queue, so a Ctrl-C
+    (KeyboardInterrupt) lands there, never inside gRPC's own code, and cancels the call."""
     out = sys.stdout
     answer, done = [], None
-    stream = client.generate_stream(list(history), **opts)
-    try:
-        for ev in stream:
-            if isinstance(ev, TokenEvent):
-                if ev.text:
-                    answer.append(ev.text)
-                    out.write(ev.text)
-                    out.flush()
-            elif isinstance(ev, Completion):
-                done = ev
-    except KeyboardInterrupt:
-        stream.close()  # cancels the call: the server stops this answer
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    calls: list = []
+
+    def pump() -> None:
+        try:
+            for ev in client.generate_stream(list(history), on_call=calls.append, **opts):
+                events.put(ev)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            events.put(e)
+        finally:
+            events.put(_END)
+
+    reader = threading.Thread(target=pump, name="kvserve-chat-stream", daemon=True)
+    reader.start()
+    stopped, error = False, None
+    while True:
+        try:
+            ev = events.get()
+        except KeyboardInterrupt:
+            stopped = True
+            for call in list(calls):
+                call.cancel()  # the server stops this answer and frees the slot
+            continue
+        if ev is _END:
+            break
+        if isinstance(ev, BaseException):
+            error = ev
+        elif stopped:
+            continue
+        elif isinstance(ev, TokenEvent):
+            if ev.text:
+                answer.append(ev.text)
+                out.write(ev.text)
+                out.flush()
+        elif isinstance(ev, Completion):
+            done = ev
+    reader.join()
+    if stopped:
         out.write(" [stopped]")
-    except KvserveError as e:
+    elif error is not None:
         history.pop()
-        if e.code == grpc.StatusCode.FAILED_PRECONDITION:
-            return fail("chat", e)
+        if isinstance(error, KvserveError) and \
+                error.code == grpc.StatusCode.FAILED_PRECONDITION:
+            return fail("chat", error)
         out.write("\n")
-        fail("chat", e)
+        fail("chat", error)
         return None
     history.append({"role": "assistant", "content": "".join(answer)})
     out.write("\n")

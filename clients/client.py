@@ -385,10 +385,13 @@ class Client(_Base):
 
     # Generate ------------------------------------------------------------------------------------
     def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
-                        timeout: float | None = None, **options) -> Iterator[GenerateEvent]:
+                        timeout: float | None = None, on_call=None,
+                        **options) -> Iterator[GenerateEvent]:
         """Yield a :class:`TokenEvent` per generated token, then one :class:`Completion`.
         ``options`` are the keyword arguments of :func:`generate_request`. Retried (on
-        UNAVAILABLE / RESOURCE_EXHAUSTED) only until the first token is delivered."""
+        UNAVAILABLE / RESOURCE_EXHAUSTED) only until the first token is delivered.
+        ``on_call(call)`` gets each attempt's gRPC call, so that another thread (or a signal
+        handler's caller) can ``cancel()`` it while this one waits for tokens."""
         req = prompt if isinstance(prompt, pb.GenerateRequest) else \
             generate_request(prompt, **options)
         lp = req.response.logprobs
@@ -399,6 +402,8 @@ class Client(_Base):
             delivered = False
             call = self._stub.Generate(req, timeout=self._timeout(timeout),
                                        metadata=self._metadata)
+            if on_call is not None:
+                on_call(call)
             try:
                 for msg in call:
                     if msg.HasField("chunk"):

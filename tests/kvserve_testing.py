@@ -93,8 +93,8 @@ def chat_tokenizer(tokens=CHATML_TOKENS + LLAMA3_TOKENS):
 def build_chat_artifact(root: Path, template: str = CHATML_TEMPLATE,
                         eos_token: str = "<|im_end|>", bos_token: str | None = None
                         ) -> Artifact:
-    """A tiny model whose checkpoint carries tokenizer_config.json with ``template`` (exported
-    without the attention graphs: quicker)."""
+    """A tiny model (context 1024) whose checkpoint carries tokenizer_config.json with
+    ``template`` (exported without the attention graphs: quicker)."""
     import json
 
     import torch
@@ -105,8 +105,9 @@ def build_chat_artifact(root: Path, template: str = CHATML_TEMPLATE,
     from kvserve.model.transformer import Transformer
 
     tok = chat_tokenizer()
+    # a longer context than the plain tiny model: answers long enough to interrupt
     cfg = preset("tiny", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
-                 pad_token_id=tok.pad_id, init_std=0.1)
+                 pad_token_id=tok.pad_id, init_std=0.1, max_seq_len=1024)
     torch.manual_seed(SEED)
     model = Transformer(cfg).eval()
     tc = {"chat_template": template, "eos_token": eos_token}

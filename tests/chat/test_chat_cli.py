@@ -102,9 +102,9 @@ def test_chat_on_a_terminal(chat_app):
 def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
     env = {**os.environ, "KVSERVE_AUTH_TOKEN": TOKEN, "KVSERVE_LOG_LEVEL": "WARNING",
            "TERM": "dumb"}
-    # a long answer: 150 tokens (the tiny model's context is 256)
+    # a long answer: 600 tokens (the chat test model's context is 1024)
     p = Pty([sys.executable, "-m", "kvserve.cli", "chat", "--server",
-             f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "150", "--temperature", "1",
+             f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "600", "--temperature", "1",
              "--seed", "3", "--stats"], env)
     try:
         p.expect(rb"you> ")

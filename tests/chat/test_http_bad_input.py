@@ -73,8 +73,8 @@ BAD = [
     (CHAT, {"messages": MSG, "frobnicate": 1}, None, 400, "unrecognized request argument"),
     (CHAT, {"messages": MSG, "model": "nope"}, None, 404, "does not exist"),
     (CHAT, {"messages": MSG, "model": ["x"]}, None, 400, "'model' must be a string"),
-    (CHAT, {"messages": [{"role": "user", "content": "x y" * 600}], "max_tokens": 1024}, None, 400,
-     "context"),
+    (CHAT, {"messages": [{"role": "user", "content": "x y" * 600}], "max_tokens": 1000}, None,
+     400, "context"),
     ("/v1/completions", {"prompt": 5}, None, 400, "'prompt' must be"),
     ("/v1/completions", {"prompt": [10 ** 12]}, None, 400, "outside the vocabulary"),
     ("/v1/completions", {"prompt": ["a"] * 50}, None, 400, "the limit is 4"),
@@ -105,7 +105,7 @@ def test_server_keeps_serving_after_bad_input(chat_app):
 def test_disconnect_cancels_the_request(chat_app):
     before = chat_app.metrics.requests.get(rpc="Generate", outcome="cancelled")
     s = socket.create_connection(("127.0.0.1", chat_app.http_port))
-    body = json.dumps({"prompt": "for", "max_tokens": 250, "stream": True,
+    body = json.dumps({"prompt": "for", "max_tokens": 900, "stream": True,
                        "ignore_eos": True}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               + f"Authorization: Bearer {TOKEN}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
