@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import queue
+import signal
 import sys
 import threading
 
@@ -87,12 +88,14 @@ def main(args: argparse.Namespace) -> int:
 def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
     """One answer, streamed; appends it to ``history``. Returns an exit code to stop with.
 
-    The stream is read on a helper thread; this thread only waits on a queue, so a Ctrl-C
-    (KeyboardInterrupt) lands there, never inside gRPC's own code, and cancels the call."""
+    The stream is read on a helper thread. While it runs, Ctrl-C (SIGINT) is handled, not
+    raised: the handler marks the answer stopped and cancels the call from a short-lived thread,
+    so no KeyboardInterrupt lands inside gRPC's or this loop's code."""
     out = sys.stdout
     answer, done = [], None
     events: queue.SimpleQueue = queue.SimpleQueue()
     calls: list = []
+    stop = threading.Event()
 
     def pump() -> None:
         try:
@@ -103,32 +106,38 @@ def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
         finally:
             events.put(_END)
 
-    reader = threading.Thread(target=pump, name="kvserve-chat-stream", daemon=True)
-    reader.start()
-    stopped, error = False, None
-    while True:
-        try:
+    def cancel_all() -> None:
+        for call in list(calls):
+            call.cancel()  # the server stops this answer and frees the slot
+
+    def on_sigint(signum, frame) -> None:
+        stop.set()
+        threading.Thread(target=cancel_all, daemon=True).start()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        reader = threading.Thread(target=pump, name="kvserve-chat-stream", daemon=True)
+        reader.start()
+        error = None
+        while True:
             ev = events.get()
-        except KeyboardInterrupt:
-            stopped = True
-            for call in list(calls):
-                call.cancel()  # the server stops this answer and frees the slot
-            continue
-        if ev is _END:
-            break
-        if isinstance(ev, BaseException):
-            error = ev
-        elif stopped:
-            continue
-        elif isinstance(ev, TokenEvent):
-            if ev.text:
-                answer.append(ev.text)
-                out.write(ev.text)
-                out.flush()
-        elif isinstance(ev, Completion):
-            done = ev
-    reader.join()
-    if stopped:
+            if ev is _END:
+                break
+            if isinstance(ev, BaseException):
+                error = ev
+            elif stop.is_set():
+                continue
+            elif isinstance(ev, TokenEvent):
+                if ev.text:
+                    answer.append(ev.text)
+                    out.write(ev.text)
+                    out.flush()
+            elif isinstance(ev, Completion):
+                done = ev
+        reader.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
         out.write(" [stopped]")
     elif error is not None:
         history.pop()
