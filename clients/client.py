@@ -207,7 +207,7 @@ def _model_info(r: pb.ModelInfoResponse) -> ModelInfo:
 
 
 # --- requests -------------------------------------------------------------------------------------
-def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, top_k: int = 0,
+def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperature: float = 0.0, top_k: int = 0,
                      top_p: float | None = None, min_p: float = 0.0,
                      repetition_penalty: float | None = None, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, seed: int | None = None,
@@ -217,9 +217,11 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
                      return_logits: bool = False, attention_layers: Sequence[int] = (),
                      attention_heads: Sequence[int] = (), request_id: str = "",
                      coalesce: bool = True) -> pb.GenerateRequest:
-    """Build a ``GenerateRequest``. ``None`` leaves an optional field unset (the server's
-    default); ``max_new_tokens=0`` is the server default. ``coalesce``: tokens ready together
-    may share one message (the client unpacks them; an older server ignores it)."""
+    """Build a ``GenerateRequest``. ``prompt``: text, token ids, or chat messages (dicts with
+    ``role`` and ``content``, rendered by the server with the model's chat template). ``None``
+    leaves an optional field unset (the server's default); ``max_new_tokens=0`` is the server
+    default. ``coalesce``: tokens ready together may share one message (the client unpacks
+    them; an older server ignores it)."""
     s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty)
@@ -242,6 +244,9 @@ def generate_request(prompt: str | Sequence[int], *, temperature: float = 0.0, t
         request_id=request_id)
     if isinstance(prompt, str):
         r.text = prompt
+    elif prompt and isinstance(prompt[0], dict):  # chat messages: [{"role", "content"}, ...]
+        r.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                               for m in prompt)
     else:
         r.token_ids.ids.extend(int(i) for i in prompt)
     return r
@@ -382,10 +387,13 @@ class Client(_Base):
 
     # Generate ------------------------------------------------------------------------------------
     def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
-                        timeout: float | None = None, **options) -> Iterator[GenerateEvent]:
+                        timeout: float | None = None, on_call=None,
+                        **options) -> Iterator[GenerateEvent]:
         """Yield a :class:`TokenEvent` per generated token, then one :class:`Completion`.
         ``options`` are the keyword arguments of :func:`generate_request`. Retried (on
-        UNAVAILABLE / RESOURCE_EXHAUSTED) only until the first token is delivered."""
+        UNAVAILABLE / RESOURCE_EXHAUSTED) only until the first token is delivered.
+        ``on_call(call)`` gets each attempt's gRPC call, so that another thread (or a signal
+        handler's caller) can ``cancel()`` it while this one waits for tokens."""
         req = prompt if isinstance(prompt, pb.GenerateRequest) else \
             generate_request(prompt, **options)
         lp = req.response.logprobs
@@ -396,6 +404,8 @@ class Client(_Base):
             delivered = False
             call = self._stub.Generate(req, timeout=self._timeout(timeout),
                                        metadata=self._metadata)
+            if on_call is not None:
+                on_call(call)
             try:
                 for msg in call:
                     if msg.HasField("chunk"):

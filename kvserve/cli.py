@@ -24,9 +24,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),
     "sign": ("kvserve.artifact.signing", "sign an artifact's manifest (Ed25519), or make a key "
                                          "pair"),
-    "serve": ("kvserve.server.main", "serve an artifact directory over gRPC"),
+    "serve": ("kvserve.server.main", "serve an artifact directory over gRPC (and the "
+                                     "OpenAI-compatible HTTP API with --http-port)"),
     "generate": ("kvserve.clients.generate", "stream a completion from a server"),
     "score": ("kvserve.clients.score", "score a file of texts against a server"),
+    "chat": ("kvserve.clients.chat", "chat with a server's model in the terminal (streamed; "
+                                     "its chat template)"),
     "bench": ("kvserve.bench.main", "run the benchmarks and write the tables"),
 }
 

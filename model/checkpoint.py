@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
+# the chat template and the special-token strings it uses (import-hf writes it; export copies it)
+TOKENIZER_CONFIG = "tokenizer_config.json"
 # files a checkpoint may carry beside the weights and that export copies into the artifact
 # (import-hf copies the ones a Hugging Face model ships)
-SIDE_FILES = (TOKENIZER, "tokenizer_config.json", "special_tokens_map.json",
+SIDE_FILES = (TOKENIZER, TOKENIZER_CONFIG, "special_tokens_map.json",
               "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 

@@ -20,13 +20,14 @@ loaded back and compared tensor by tensor with what was converted.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import CONFIG, WEIGHTS, load_model, model_state, save_checkpoint
+from .checkpoint import CONFIG, TOKENIZER_CONFIG, WEIGHTS, load_model, model_state, save_checkpoint
 from .config import ModelConfig
 from .hf import FAMILIES
 from .hf.common import (HFImportError, Source, Support, UnsupportedModelError,  # noqa: F401
@@ -114,6 +115,44 @@ def build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> Transformer:
     return model.eval()
 
 
+# --- chat template and generation settings ----------------------------------------------------
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        v = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{path.name} is not valid JSON ({e})") from None
+    return v if isinstance(v, dict) else {}
+
+
+def chat_config(src_dir: Path) -> dict[str, Any] | None:
+    """The chat template (chat_template.jinja > chat_template.json > tokenizer_config.json's
+    chat_template, as transformers loads them) and the special-token strings the template
+    may use, as a slim tokenizer_config.json; None when the model has no template."""
+    tc = _read_json(src_dir / "tokenizer_config.json")
+    template: Any = tc.get("chat_template")
+    if (src_dir / "chat_template.json").is_file():
+        template = _read_json(src_dir / "chat_template.json").get("chat_template", template)
+    if (src_dir / "chat_template.jinja").is_file():
+        template = (src_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    if not template:
+        return None
+    stm = _read_json(src_dir / "special_tokens_map.json")
+    out: dict[str, Any] = {"chat_template": template}
+    for name in _SPECIAL_TOKENS:
+        v = tc.get(name, stm.get(name))
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[name] = v
+    return out
+
+
 # --- the import --------------------------------------------------------------------------------
 def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
               allow_unknown_keys: bool = False) -> Path:
@@ -149,6 +188,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False,
     if "tokenizer.json" not in extra_files:
         log.warning("%s has no tokenizer.json; the checkpoint works with token ids only",
                     src_dir)
+    chat = chat_config(src_dir)
+    if chat is None:
+        log.info("%s has no chat template; chat requests to the served model will be refused",
+                 src_dir)
+    else:  # the template wherever the model ships it, with the special-token strings it uses
+        extra_files[TOKENIZER_CONFIG] = (json.dumps(chat, indent=2, sort_keys=True)
+                                         + "\n").encode()
     save_checkpoint(out, model, extra_files=extra_files)
 
     # Verify: the written checkpoint loads into the kvserve model and holds exactly what

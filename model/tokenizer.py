@@ -88,3 +88,6 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)

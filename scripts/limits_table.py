@@ -33,9 +33,10 @@ STATUS_CODES = [
     ("UNAUTHENTICATED", "missing or wrong `authorization: Bearer <token>` (health is exempt)"),
     ("UNIMPLEMENTED", "an option this server cannot do (attention without the attention "
                       "graphs)"),
-    ("FAILED_PRECONDITION", "the request needs text and the model has no tokenizer (its "
-                            "artifact has no tokenizer.json): send token ids; do not retry "
-                            "unchanged"),
+    ("FAILED_PRECONDITION", "the model lacks what the request needs: text with no tokenizer "
+                            "(its artifact has no tokenizer.json: send token ids), or a chat "
+                            "prompt with no usable chat template, or one whose template tried "
+                            "to leave the sandbox (HTTP API: 400); do not retry unchanged"),
     ("INTERNAL", "a server fault (the message carries no internals)"),
 ]
 

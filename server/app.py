@@ -23,11 +23,14 @@ from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from . import wire
 from .auth import BearerTokenInterceptor
+from .chat_template import ChatTemplate
 from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine, NullMetrics
+from .http_api import HttpServer, OpenAIApi
 from .metrics import Metrics, MetricsServer
+from .prompts import Prompts
 from .servicer import InferenceServicer, ServingState, model_info
 from .validation import Limits
 
@@ -59,7 +62,9 @@ class App:
         self.metrics = Metrics()
         self.server: grpc.Server | None = None
         self.metrics_server: MetricsServer | None = None
+        self.http_server: HttpServer | None = None
         self.port = 0
+        self.http_port: int | None = None
 
     # --- load ------------------------------------------------------------------------------
     def load(self) -> None:
@@ -92,13 +97,23 @@ class App:
         self.eos_id = eos
         self.limits = Limits.make(self.cfg, mcfg.vocab_size, mcfg.n_layers, mcfg.n_heads,
                                   mcfg.max_seq_len)
+        template, template_error = None, ""
+        try:
+            template = ChatTemplate.load(self.dir)
+        except ValueError as e:  # served without chat; chat requests are told why
+            log.warning("chat disabled: %s", e)
+            template_error = "this model's chat template is unusable (see the server log)"
+        self.prompts = Prompts(self.tokenizer, self.limits, template, template_error)
+        self.eos_ids = self._eos_ids(eos, template)
         self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
                              max_queue=self.cfg.max_queue,
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
                              request_time_limit=self.cfg.request_time_limit,
-                             metrics=self.metrics, eos_ids=mcfg.stop_ids)
+                             metrics=self.metrics, eos_ids=tuple(self.eos_ids))
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
-        self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__)
+        self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__,
+                                                   eos_ids=self.eos_ids,
+                                                   chat=template is not None)
         log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",
                  self.dir, time.monotonic() - t0, mcfg.n_layers, mcfg.vocab_size,
                  self.lm.provider, self.lm.has_attention)
@@ -107,6 +122,17 @@ class App:
             log.warning("%s is an fp16 artifact, made for the CUDA provider; on the CPU provider "
                         "onnxruntime computes it through casts and it runs slower than fp32: "
                         "export with --precision fp32 (or int8) for CPU", self.dir)
+
+    def _eos_ids(self, eos: int | None, template: ChatTemplate | None) -> list[int]:
+        """Every id that ends generation: the config's eos ids (``stop_ids``: eos_token_id and
+        the generation config's list), the tokenizer's eos when the config has none, and the
+        chat template's eos_token."""
+        ids = list(self.lm.cfg.stop_ids) + ([] if eos is None else [eos])
+        name = template.special_tokens.get("eos_token") if template is not None else None
+        tid = self.tokenizer.token_to_id(name) if name and self.tokenizer is not None else None
+        if tid is not None:
+            ids.append(tid)
+        return sorted({i for i in ids if 0 <= i < self.lm.cfg.vocab_size})
 
     # --- serve -----------------------------------------------------------------------------
     def _send_limit(self) -> int:
@@ -149,7 +175,7 @@ class App:
                                   interceptors=interceptors, options=options,
                                   maximum_concurrent_rpcs=c.concurrent_rpcs)
         self.servicer = InferenceServicer(self.engine, self.tokenizer, self.token_bytes,
-                                          self.limits, self.state, self.metrics)
+                                          self.limits, self.state, self.metrics, self.prompts)
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -176,6 +202,14 @@ class App:
         if c.metrics_port >= 0:
             self.metrics_server = MetricsServer(self.metrics, c.host, c.metrics_port)
             self.metrics_server.start()
+        if c.http_port >= 0:  # up before warm-up: /health answers 503 until ready
+            api = OpenAIApi(self.engine, self.prompts, self.token_bytes, self.state, self.metrics,
+                            model_name=c.served_model_name or self.dir.resolve().name,
+                            created=int((self.dir / "manifest.json").stat().st_mtime),
+                            auth_token=c.auth_token)
+            self.http_server = HttpServer(api, c.host, c.http_port, c.max_http_body_bytes,
+                                          c.tls_cert, c.tls_key)
+            self.http_port = self.http_server.start()
         self.engine.start()
         t0 = time.monotonic()
         # warm-up requests are not traffic: they go to no metric (requests_total, tokens, ...)
@@ -209,7 +243,7 @@ class App:
         tmp = p.with_name(p.name + ".tmp")
         tmp.write_text(json.dumps({"port": self.port, "metrics_port":
                                    self.metrics_server.port if self.metrics_server else None,
-                                   "pid": os.getpid()}))
+                                   "http_port": self.http_port, "pid": os.getpid()}))
         tmp.replace(p)
 
     # --- stop ------------------------------------------------------------------------------
@@ -239,6 +273,8 @@ class App:
             self.server.stop(remaining).wait()
         if hasattr(self, "engine"):
             self.engine.stop()
+        if self.http_server is not None:
+            self.http_server.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
         log.info("stopped")

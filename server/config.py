@@ -24,7 +24,14 @@ class ServerConfig:
     port: int = _opt(50051, "gRPC port (0 = pick a free one)")
     metrics_port: int = _opt(-1, "Prometheus metrics HTTP port (0 = pick a free one, "
                                  "-1 = off)")
-    port_file: str = _opt("", "write the bound gRPC (and metrics) port here as JSON once serving")
+    http_port: int = _opt(-1, "OpenAI-compatible HTTP API port (/v1/completions, "
+                              "/v1/chat/completions, /v1/models, /health; 0 = pick a free "
+                              "one, -1 = off)")
+    served_model_name: str = _opt("", "the model name of the HTTP API (/v1/models; requests "
+                                      "naming another model get 404); empty = the artifact "
+                                      "directory's name")
+    port_file: str = _opt("", "write the bound gRPC (and metrics, HTTP) ports here as JSON once "
+                              "serving")
     provider: str = _opt("auto", "onnxruntime execution provider", choices=("auto", "cpu", "cuda"))
     threads: int = _opt(0, "onnxruntime intra-op threads (0 = automatic)")
     spin: bool = _opt(True, "let idle onnxruntime threads spin between ops (lower latency; "
@@ -56,6 +63,18 @@ class ServerConfig:
                                              "per request", limit="INVALID_ARGUMENT")
     max_attention_floats: int = _opt(4_000_000, "attention diagnostics: floats per request",
                                      limit="INVALID_ARGUMENT")
+    max_chat_messages: int = _opt(256, "messages per chat request (gRPC chat prompt, "
+                                       "/v1/chat/completions)",
+                                  limit="INVALID_ARGUMENT (HTTP: 400)")
+    max_chat_chars: int = _opt(200_000, "characters of a chat request's message contents and "
+                                        "roles, all messages together (the rendered prompt is "
+                                        "then bounded like any prompt)",
+                               limit="INVALID_ARGUMENT (HTTP: 400)")
+    max_n: int = _opt(4, "choices per HTTP completion request (n x prompts)",
+                      limit="HTTP 400 (the HTTP form of INVALID_ARGUMENT)")
+    max_http_body_bytes: int = _opt(8 << 20, "bytes of an HTTP request body",
+                                    limit="HTTP 413 (the HTTP form of RESOURCE_EXHAUSTED: send "
+                                          "less)")
     max_score_sequences: int = _opt(32, "sequences per Score call", limit="INVALID_ARGUMENT")
     max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
                                  limit="INVALID_ARGUMENT (also: tokens per Detokenize "
@@ -101,6 +120,15 @@ class ServerConfig:
                 raise ValueError(f"invalid server config: {msg}")
 
         need(0 <= self.port <= 65535, "port must be in [0, 65535]")
+        need(-1 <= self.http_port <= 65535, "http_port must be in [-1, 65535]")
+        need(len(self.served_model_name) <= 256 and self.served_model_name.isprintable(),
+             "served_model_name must be at most 256 printable characters")
+        need(1 <= self.max_chat_messages <= 100_000, "max_chat_messages must be in [1, 100000]")
+        need(1 <= self.max_chat_chars <= 100_000_000,
+             "max_chat_chars must be in [1, 100000000]")
+        need(1 <= self.max_n <= 128, "max_n must be in [1, 128]")
+        need(1024 <= self.max_http_body_bytes <= 1 << 30,
+             "max_http_body_bytes must be in [1024, 1073741824]")
         need(-1 <= self.metrics_port <= 65535, "metrics_port must be in [-1, 65535]")
         need(self.provider in ("auto", "cpu", "cuda"), "provider must be auto, cpu or cuda")
         need(self.threads >= 0, "threads must be >= 0")

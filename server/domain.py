@@ -31,7 +31,8 @@ class Unimplemented(ServingError):
 
 
 class FailedPrecondition(ServingError):
-    """The request needs something this server's model lacks (a tokenizer for text)."""
+    """The request is fine but this server cannot do it: the model lacks what it needs (a
+    tokenizer for text, a usable chat template for chat)."""
 
 
 # --- requests -----------------------------------------------------------------------------------

@@ -62,9 +62,10 @@ class NullMetrics:
 class Handle:
     """The caller's side of one request: events arrive on ``events``; ``cancel()`` any time."""
 
-    def __init__(self, engine: "Engine", request_id: str):
+    def __init__(self, engine: "Engine", request_id: str, events=None):
         self.request_id = request_id
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        # anything with put(event) from the engine thread (the HTTP API's asyncio bridge)
+        self.events = queue.SimpleQueue() if events is None else events
         self._engine = engine
         self.cancelled = False
 
@@ -165,8 +166,8 @@ class Engine:
             self._cond.notify_all()
 
     # --- submission (any thread) ---------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> Handle:
-        h = Handle(self, req.request_id or f"gen-{next(self._ids)}")
+    def submit(self, req: GenerateRequest, events=None) -> Handle:
+        h = Handle(self, req.request_id or f"gen-{next(self._ids)}", events)
         seq = _Seq(req, h, submitted=time.monotonic())
         if self.request_time_limit:
             limit = seq.submitted + self.request_time_limit

@@ -20,6 +20,7 @@ from . import validation as V
 from .domain import (FailedPrecondition, FinishEvent, FinishReason, GenerateRequest,
                      InvalidArgument, QueueFull, ServingError, TokenEvent, Unavailable,
                      Unimplemented)
+from .prompts import Prompts
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,10 @@ def _abort(context: grpc.ServicerContext, e: ServingError):
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, engine, tokenizer, token_bytes, limits: V.Limits, state: ServingState,
-                 metrics=None):
+                 metrics=None, prompts: Prompts | None = None):
         self.engine, self.tok, self.tb = engine, tokenizer, token_bytes
         self.lim, self.state, self.metrics = limits, state, metrics
+        self.prompts = prompts or Prompts(tokenizer, limits)
 
     # --- helpers -------------------------------------------------------------------------------
     def _gate(self) -> None:
@@ -92,8 +94,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _prompt_ids(self, text: str | None, ids) -> list[int]:
         if text is not None:
             self._need_tokenizer("a text prompt")
-            return self.tok.encode(V.check_text("text", text, self.lim))
-        return V.check_ids("token_ids", ids, self.lim, max_len=self.lim.max_context)
+            return self.prompts.text(text)
+        return self.prompts.ids(ids)
 
     @staticmethod
     def _deadline(context) -> float | None:
@@ -109,8 +111,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         which = r.WhichOneof("prompt")
         if which is None:
             raise InvalidArgument("the prompt is empty: set text or token_ids")
-        ids = self._prompt_ids(r.text if which == "text" else None,
-                               r.token_ids.ids if which == "token_ids" else None)
+        if which == "chat":
+            agp = r.chat.add_generation_prompt if r.chat.HasField("add_generation_prompt") \
+                else True
+            ids = self.prompts.chat([(m.role, m.content) for m in r.chat.messages], agp)
+        else:
+            ids = self._prompt_ids(r.text if which == "text" else None,
+                                   r.token_ids.ids if which == "token_ids" else None)
         s, st, o = r.sampling, r.stopping, r.response
         if st.stop:
             self._need_tokenizer("a stop string (use stop_token_ids)")
@@ -317,7 +324,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 def model_info(lm, limits: V.Limits, manifest_sha256: str, eos_id: int | None,
-               version: str) -> pb.ModelInfoResponse:
+               version: str, eos_ids=(), chat: bool = False) -> pb.ModelInfoResponse:
     c, cfg = lm.cfg, limits.cfg
     lim = pb.Limits(
         max_context=limits.max_context, max_new_tokens=cfg.max_new_tokens,
@@ -328,7 +335,8 @@ def model_info(lm, limits: V.Limits, manifest_sha256: str, eos_id: int | None,
         max_prompt_chars=cfg.max_prompt_chars, max_score_sequences=cfg.max_score_sequences,
         max_score_tokens=cfg.max_score_tokens, max_temperature=cfg.max_temperature,
         max_repetition_penalty=cfg.max_repetition_penalty,
-        max_abs_presence_frequency_penalty=cfg.max_abs_penalty)
+        max_abs_presence_frequency_penalty=cfg.max_abs_penalty,
+        max_chat_messages=cfg.max_chat_messages, max_chat_chars=cfg.max_chat_chars)
     return pb.ModelInfoResponse(
         config_json=json.dumps(c.to_dict(), sort_keys=True), vocab_size=c.vocab_size,
         n_layers=c.n_layers, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
@@ -336,5 +344,5 @@ def model_info(lm, limits: V.Limits, manifest_sha256: str, eos_id: int | None,
         provider=lm.provider,
         graphs={k: v.get("file", "") for k, v in lm.manifest.get("graphs", {}).items()},
         manifest_sha256=manifest_sha256, attention_available=lm.has_attention, limits=lim,
-        version=version)
+        version=version, chat_template_available=chat, eos_token_ids=sorted(eos_ids))
 

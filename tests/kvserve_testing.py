@@ -57,6 +57,69 @@ def build_artifact(root: Path, attention: bool = True, out_name: str = "artifact
     return Artifact(Path(out), model, tok, cfg)
 
 
+# --- chat ---------------------------------------------------------------------------------------
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Meta's Llama 3 instruct template (bos_token, strip, raise_exception on a bad role order)
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}"
+    "{% for message in loop_messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only system, user and assistant roles are supported!') }}{% endif %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    " + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+
+def chat_tokenizer(tokens=CHATML_TOKENS + LLAMA3_TOKENS):
+    """The test BPE with the chat templates' control tokens added as special tokens."""
+    from kvserve.model.tokenizer import Tokenizer, train_bpe
+
+    tok = train_bpe(TRAIN_TEXTS, vocab_size=512, min_frequency=1)
+    hf = tok._tok
+    hf.add_special_tokens(list(tokens))
+    return Tokenizer(hf)
+
+
+def build_chat_artifact(root: Path, template: str = CHATML_TEMPLATE,
+                        eos_token: str = "<|im_end|>", bos_token: str | None = None
+                        ) -> Artifact:
+    """A tiny model (context 1024) whose checkpoint carries tokenizer_config.json with
+    ``template`` (exported without the attention graphs: quicker)."""
+    import json
+
+    import torch
+
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.checkpoint import TOKENIZER_CONFIG, save_checkpoint
+    from kvserve.model.config import preset
+    from kvserve.model.transformer import Transformer
+
+    tok = chat_tokenizer()
+    # a longer context than the plain tiny model: answers long enough to interrupt
+    cfg = preset("tiny", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
+                 pad_token_id=tok.pad_id, init_std=0.1, max_seq_len=1024)
+    torch.manual_seed(SEED)
+    model = Transformer(cfg).eval()
+    tc = {"chat_template": template, "eos_token": eos_token}
+    if bos_token is not None:
+        tc["bos_token"] = bos_token
+    ckpt = save_checkpoint(root / "ckpt", model, tokenizer_json=tok.to_str(),
+                           extra_files={TOKENIZER_CONFIG: json.dumps(tc).encode()})
+    out = export_artifacts(ckpt, root / "artifact", attention=False, precision="fp32",
+                           progress=False, threads=2)
+    return Artifact(Path(out), model, tok, cfg)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -41,8 +41,8 @@ def interpolate(value, env: dict[str, str]):
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
-        name = m.group(1) or m.group(3)
-        op, arg = m.group(2), m.group(4) or ""
+        name = m.group(1) or m.group(4)
+        op, arg = m.group(2), m.group(3) or ""
         val = env.get(name)
         if op == ":-":
             return val if val else arg

@@ -77,13 +77,15 @@ def test_services_and_replicas(cfg):
         assert s["nginx"]["depends_on"][name]["condition"] == "service_healthy"
 
 
-def test_one_published_port(cfg):
+def test_only_the_balancer_publishes_ports(cfg):
+    """gRPC and the OpenAI-compatible HTTP API, both on the balancer's listeners."""
     published = [(n, p) for n, svc in cfg["services"].items() if n != "prometheus"
                  for p in svc.get("ports", [])]
-    assert len(published) == 1 and published[0][0] == "nginx", published
-    port = published[0][1]
-    target = port["target"] if isinstance(port, dict) else int(str(port).rsplit(":", 1)[1])
-    assert int(target) == int(cfg["services"]["nginx"]["environment"]["KVSERVE_LB_LISTEN"])
+    assert len(published) == 2 and {n for n, _ in published} == {"nginx"}, published
+    env = cfg["services"]["nginx"]["environment"]
+    targets = [int(p["target"] if isinstance(p, dict) else str(p).rsplit(":", 1)[1])
+               for _, p in published]
+    assert targets == [int(env["KVSERVE_LB_LISTEN"]), int(env["KVSERVE_LB_HTTP_LISTEN"])]
 
 
 def test_referenced_files_exist(cfg):
@@ -126,6 +128,12 @@ def test_balancer_upstreams_match_the_replicas(cfg):
     assert sorted(h for h, _ in upstream) == sorted(servers), lb
     for host, port in upstream:
         assert int(port) == int(servers[host]["environment"]["KVSERVE_PORT"])
+    http = re.findall(r"server\s+([\w.-]+):(\d+)[^;]*;",
+                      cfg["services"]["nginx"]["environment"]["KVSERVE_LB_HTTP_SERVERS"])
+    assert sorted(h for h, _ in http) == sorted(servers)
+    for host, port in http:
+        assert int(port) == int(servers[host]["environment"]["KVSERVE_HTTP_PORT"])
+        assert str(port) in [str(p) for p in servers[host]["expose"]]
     # prometheus scrapes every replica's metrics port
     import yaml
 
@@ -150,6 +158,8 @@ def test_healthchecks_and_shutdown(cfg):
     nginx = cfg["services"]["nginx"]
     status_port = nginx["environment"]["KVSERVE_LB_STATUS_LISTEN"]
     assert f"127.0.0.1:{status_port}/healthz" in " ".join(nginx["healthcheck"]["test"])
+    http_port = nginx["environment"]["KVSERVE_LB_HTTP_LISTEN"]
+    assert f"127.0.0.1:{http_port}/health" in " ".join(nginx["healthcheck"]["test"])
     builder = cfg["services"]["model-builder"]
     rw = [v for v in builder["volumes"] if v["target"] == "/models"]
     assert rw and not rw[0].get("read_only", False)

@@ -9,7 +9,10 @@ and ports differ from the compose deployment):
   HEALTHCHECK) works against a replica and through the balancer;
 - after SIGKILL of one replica the same channel keeps working through the other; with both
   gone the caller gets UNAVAILABLE at once;
-- docker/build-model.sh (the model-builder's entry point) is idempotent on a verified artifact.
+- docker/build-model.sh (the model-builder's entry point) is idempotent on a verified artifact;
+- the OpenAI-compatible HTTP API of the replicas answers through the balancer's HTTP listener
+  (/health, a streamed completion equal to a direct one, requests spread over both replicas),
+  and the healthcheck's HTTP check works against a replica.
 """
 from __future__ import annotations
 
@@ -64,6 +67,7 @@ class Replica:
     metrics_port: int
     proc: subprocess.Popen
     log: Path
+    http_port: int = 0
 
     @property
     def target(self) -> str:
@@ -86,6 +90,7 @@ class Cluster:
     status_port: int
     nginx: subprocess.Popen
     prefix: Path
+    http_port: int = 0
 
     @property
     def target(self) -> str:
@@ -97,10 +102,12 @@ class Cluster:
 
 
 def _server_env(compose: dict, name: str, artifact: Path, port: int, metrics_port: int,
-                port_file: Path) -> dict[str, str]:
+                port_file: Path, http_port: int) -> dict[str, str]:
     env = {k: str(v) for k, v in compose["services"][name]["environment"].items()}
+    assert env["KVSERVE_HTTP_PORT"]  # the compose file turns the HTTP API on
     env.update(KVSERVE_MODEL_DIR=str(artifact), KVSERVE_HOST="127.0.0.1",
                KVSERVE_PORT=str(port), KVSERVE_METRICS_PORT=str(metrics_port),
+               KVSERVE_HTTP_PORT=str(http_port),
                KVSERVE_PORT_FILE=str(port_file),
                # two servers, nginx and the test share 2 cores; a fast teardown
                KVSERVE_THREADS="1", KVSERVE_DRAIN_GRACE="2", KVSERVE_LOG_LEVEL="WARNING")
@@ -108,7 +115,7 @@ def _server_env(compose: dict, name: str, artifact: Path, port: int, metrics_por
 
 
 def _render_nginx(compose: dict, prefix: Path, ports: dict[str, int], lb_port: int,
-                  status_port: int) -> Path:
+                  status_port: int, http_ports: dict[str, int], lb_http_port: int) -> Path:
     """deploy/nginx/nginx.conf + the compose nginx service's KVSERVE_LB_* values rendered into
     templates/kvserve.conf.template, with the replicas' service names and ports replaced by
     the loopback ones."""
@@ -119,8 +126,15 @@ def _render_nginx(compose: dict, prefix: Path, ports: dict[str, int], lb_port: i
         old = f"{name}:{compose_port}"
         assert old in servers, (old, servers)
         servers = servers.replace(old, f"127.0.0.1:{port}")
+    http_servers = env["KVSERVE_LB_HTTP_SERVERS"]
+    for name, port in http_ports.items():
+        old = f"{name}:{compose['services'][name]['environment']['KVSERVE_HTTP_PORT']}"
+        assert old in http_servers, (old, http_servers)
+        http_servers = http_servers.replace(old, f"127.0.0.1:{port}")
     env.update(KVSERVE_LB_SERVERS=servers, KVSERVE_LB_LISTEN=f"127.0.0.1:{lb_port}",
-               KVSERVE_LB_STATUS_LISTEN=f"127.0.0.1:{status_port}")
+               KVSERVE_LB_STATUS_LISTEN=f"127.0.0.1:{status_port}",
+               KVSERVE_LB_HTTP_SERVERS=http_servers,
+               KVSERVE_LB_HTTP_LISTEN=f"127.0.0.1:{lb_http_port}")
     shutil.copy(NGINX_CONF, prefix / "nginx.conf")
     (prefix / "kvserve.conf").write_text(render_template(NGINX_TEMPLATE.read_text(), env))
     return prefix / "nginx.conf"
@@ -147,14 +161,15 @@ def cluster(artifact, tmp_path_factory):
     try:
         replicas = []
         for name in names:
-            port, mport = free_port(), free_port()
+            port, mport, hport = free_port(), free_port(), free_port()
             log = work / f"{name}.log"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvserve.cli", "serve", str(artifact)],
-                env=_server_env(compose, name, artifact, port, mport, work / f"{name}.json"),
+                env=_server_env(compose, name, artifact, port, mport, work / f"{name}.json",
+                                hport),
                 stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=work)
             procs.append(proc)
-            replicas.append(Replica(name, port, mport, proc, log))
+            replicas.append(Replica(name, port, mport, proc, log, hport))
         for r in replicas:
             def up(r=r):
                 if r.proc.poll() is not None:
@@ -164,9 +179,9 @@ def cluster(artifact, tmp_path_factory):
             wait_until(up, 120, what=f"{r.name} to serve")
             assert read_json(work / f"{r.name}.json")["metrics_port"] == r.metrics_port
 
-        lb_port, status_port = free_port(), free_port()
+        lb_port, status_port, lb_http = free_port(), free_port(), free_port()
         conf = _render_nginx(compose, prefix, {r.name: r.port for r in replicas}, lb_port,
-                             status_port)
+                             status_port, {r.name: r.http_port for r in replicas}, lb_http)
         test = subprocess.run([NGINX, "-t", "-p", f"{prefix}/", "-c", str(conf)],
                               capture_output=True, text=True, timeout=30)
         assert test.returncode == 0, test.stderr
@@ -174,7 +189,7 @@ def cluster(artifact, tmp_path_factory):
                                  stdout=(prefix / "nginx.out").open("wb"),
                                  stderr=(prefix / "nginx.err").open("wb"))
         procs.append(nginx)
-        c = Cluster(replicas, lb_port, status_port, nginx, prefix)
+        c = Cluster(replicas, lb_port, status_port, nginx, prefix, lb_http)
 
         def lb_up():
             if nginx.poll() is not None:
@@ -237,6 +252,34 @@ def test_health_through_the_balancer(cluster, channel):
     out = subprocess.run([sys.executable, str(HEALTHCHECK), f"127.0.0.1:{free_port()}",
                           "--timeout", "1"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "unhealthy" in out.stderr
+
+
+def test_http_api_through_the_balancer(cluster):
+    """GET /health and the OpenAI-compatible API through nginx's HTTP listener: a streamed
+    completion (server-sent events, unbuffered) equals the same request to a replica directly,
+    and requests are spread over both replicas."""
+    import json
+
+    openai = pytest.importorskip("openai")
+    lb = f"http://127.0.0.1:{cluster.http_port}"
+    assert json.load(urllib.request.urlopen(lb + "/health", timeout=10))["status"] == "ok"
+    kw = dict(model="kvserve", prompt="def add(a, b):", max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
+    with openai.OpenAI(base_url=lb + "/v1", api_key="-", max_retries=0) as c, \
+            openai.OpenAI(base_url=f"http://127.0.0.1:{cluster.replicas[0].http_port}/v1",
+                          api_key="-", max_retries=0) as d:
+        assert [m.id for m in c.models.list().data] == ["kvserve"]
+        direct = d.completions.create(**kw).choices[0].text
+        before = [r.count("Generate", "length") for r in cluster.replicas]
+        for _ in range(6):
+            text = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True))
+            assert text == direct
+        served = [r.count("Generate", "length") - b for r, b in zip(cluster.replicas, before)]
+    assert sum(served) == 6 and all(s >= 1 for s in served), served
+    r = cluster.replicas[0]
+    out = subprocess.run([sys.executable, str(HEALTHCHECK), r.target, "--http-port",
+                          str(r.http_port)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "/health: ok" in out.stdout, out.stdout + out.stderr
 
 
 def test_unary_calls_on_one_channel_reach_every_replica(cluster, channel):

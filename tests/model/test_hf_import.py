@@ -133,7 +133,7 @@ def test_config_mapping_and_provenance(imported):
     assert not (c.qkv_bias or c.out_bias or c.ffn_bias) and c.tie_embeddings
 
     _, _, bias = imported("llama_mha_bias")
-    assert bias.cfg.eos_token_id == 2 and bias.cfg.extra["eos_token_ids"] == [2, 3]
+    assert bias.cfg.eos_token_id == 2 and bias.cfg.stop_ids == [2, 3]
     assert bias.cfg.qkv_bias and bias.cfg.out_bias and bias.cfg.ffn_bias
 
     _, _, qwen = imported("qwen2")
@@ -313,3 +313,31 @@ def test_cli_success_and_help(imported, tmp_path, capsys):
                  "SmolLM3ForCausalLM"):
         assert arch in out
     assert out.count("maps to:") == out.count("refused:") == 9
+    assert "MistralForCausalLM" in capsys.readouterr().out
+
+
+def test_chat_template_and_eos_ids_are_carried(imported, tmp_path):
+    """tokenizer_config.json's chat_template (chat_template.jinja wins, as in transformers) and
+    the special-token strings go into the checkpoint's slim tokenizer_config.json;
+    generation_config.json's EOS ids become the model's."""
+    import json
+
+    from kvserve.model.checkpoint import TOKENIZER_CONFIG
+    from kvserve.model.config import ModelConfig
+
+    _, hf_dir, _ = imported("llama_mha_bias")
+    src = _rewrite_weights(hf_dir, tmp_path / "hf", lambda sd: sd)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{{ messages }}", "bos_token": {"content": "<s>", "special": True},
+        "eos_token": "</s>", "model_max_length": 10 ** 30}))
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 10 ** 9]}))
+    out = import_hf(src, tmp_path / "ckpt")
+    tc = json.loads((out / TOKENIZER_CONFIG).read_text())
+    assert tc == {"chat_template": "{{ messages }}", "bos_token": "<s>", "eos_token": "</s>"}
+    # generation_config's EOS ids (out-of-vocabulary ones dropped) are the model's stop ids
+    assert ModelConfig.load(out / "config.json").stop_ids == [2, 7]
+    (src / "chat_template.jinja").write_text("J{{ bos_token }}")
+    out = import_hf(src, tmp_path / "ckpt2")
+    assert json.loads((out / TOKENIZER_CONFIG).read_text())["chat_template"] == "J{{ bos_token }}"
+    no_template = _rewrite_weights(hf_dir, tmp_path / "hf3", lambda sd: sd)
+    assert not (import_hf(no_template, tmp_path / "ckpt3") / TOKENIZER_CONFIG).exists()

@@ -1,0 +1,156 @@
+"""``kvserve chat --server HOST:PORT``: an interactive chat in the terminal, streamed.
+
+The conversation is kept and sent whole each turn (the server renders it with the model's chat
+template). ``/reset`` clears it (keeping ``--system``), ``/exit`` or Ctrl-D quits. Ctrl-C while an
+answer streams stops that answer (the call is cancelled, the server frees the slot) and keeps
+what was said so far; Ctrl-C at the prompt only clears the line. A model without a chat
+template is told at the first turn (FAILED_PRECONDITION) and the command exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import queue
+import signal
+import sys
+import threading
+
+import grpc
+
+from .client import Completion, KvserveError, TokenEvent
+from .common import add_connection_arguments, client_from_args, fail
+
+PROMPT = "you> "
+_END = object()
+HELP = "[/reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer]"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_connection_arguments(parser, timeout=300.0, retries=2)
+    parser.add_argument("--system", default=None, help="a system message opening the chat")
+    s = parser.add_argument_group("sampling (defaults: greedy)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=None, help="(0, 1]; unset = off")
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
+    s.add_argument("--stats", action="store_true",
+                   help="after each answer, a line with the finish reason and token counts")
+
+
+def _fresh(args: argparse.Namespace) -> list[dict]:
+    return [{"role": "system", "content": args.system}] if args.system else []
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        import readline  # noqa: F401 - line editing and history for input()
+    except ImportError:  # pragma: no cover
+        pass
+    out = sys.stdout
+    history = _fresh(args)
+    opts = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                max_new_tokens=args.max_new_tokens)
+    print(f"kvserve chat with {args.server} {HELP}", file=sys.stderr, flush=True)
+    with client_from_args(args) as client:
+        while True:
+            try:
+                line = input(PROMPT)
+            except EOFError:
+                out.write("\n")
+                return 0
+            except KeyboardInterrupt:  # clears the line, not the session
+                out.write("\n")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return 0
+            if text == "/reset":
+                history = _fresh(args)
+                print("[history cleared]", file=sys.stderr, flush=True)
+                continue
+            if text.startswith("/"):
+                print(f"[unknown command {text.split()[0]}] {HELP}", file=sys.stderr,
+                      flush=True)
+                continue
+            history.append({"role": "user", "content": line})
+            try:
+                rc = _turn(client, history, opts, args.stats)
+            except KeyboardInterrupt:  # landed between the stream's end and the next prompt
+                out.write("\n")
+                rc = None
+            if history and history[-1]["role"] == "user" and rc is None:
+                history.append({"role": "assistant", "content": ""})
+            if rc is not None:
+                return rc
+
+
+def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
+    """One answer, streamed; appends it to ``history``. Returns an exit code to stop with.
+
+    The stream is read on a helper thread. While it runs, Ctrl-C (SIGINT) is handled, not
+    raised: the handler marks the answer stopped and cancels the call from a short-lived thread,
+    so no KeyboardInterrupt lands inside gRPC's or this loop's code."""
+    out = sys.stdout
+    answer, done = [], None
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    calls: list = []
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for ev in client.generate_stream(list(history), on_call=calls.append, **opts):
+                events.put(ev)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            events.put(e)
+        finally:
+            events.put(_END)
+
+    def cancel_all() -> None:
+        for call in list(calls):
+            call.cancel()  # the server stops this answer and frees the slot
+
+    def on_sigint(signum, frame) -> None:
+        stop.set()
+        threading.Thread(target=cancel_all, daemon=True).start()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        reader = threading.Thread(target=pump, name="kvserve-chat-stream", daemon=True)
+        reader.start()
+        error = None
+        while True:
+            ev = events.get()
+            if ev is _END:
+                break
+            if isinstance(ev, BaseException):
+                error = ev
+            elif stop.is_set():
+                continue
+            elif isinstance(ev, TokenEvent):
+                if ev.text:
+                    answer.append(ev.text)
+                    out.write(ev.text)
+                    out.flush()
+            elif isinstance(ev, Completion):
+                done = ev
+        reader.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if stop.is_set():
+        out.write(" [stopped]")
+    elif error is not None:
+        history.pop()
+        if isinstance(error, KvserveError) and \
+                error.code == grpc.StatusCode.FAILED_PRECONDITION:
+            return fail("chat", error)
+        out.write("\n")
+        fail("chat", error)
+        return None
+    history.append({"role": "assistant", "content": "".join(answer)})
+    out.write("\n")
+    out.flush()
+    if stats and done is not None:
+        print(f"[{done.finish_reason}; prompt {done.prompt_tokens} tokens, generated "
+              f"{done.generated_tokens}]", file=sys.stderr, flush=True)
+    return None

@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP API (aiohttp), in the gRPC server's process, over the same engine,
+limits, bearer token, serving state and metrics: a thin adapter like the gRPC servicer.
+
+    POST /v1/completions        POST /v1/chat/completions   (``stream: true``: server-sent events)
+    GET  /v1/models             GET  /v1/models/{model}      GET /health (200 once warmed up)
+
+Runs its own asyncio loop on one thread. Engine events reach the loop through an asyncio queue
+(``_Sink``), so a stream holds no thread. A client that disconnects cancels its handler
+(``handler_cancellation``), which cancels the engine request like a gRPC cancel does.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import threading
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from .domain import FinishEvent, FinishReason, ServingError, TokenEvent
+from .openai_requests import ApiError, Parsed, from_serving_error, parse_chat, \
+    parse_completion, parse_json
+
+log = logging.getLogger(__name__)
+
+_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
+           FinishReason.STOP_SEQUENCE: "stop", FinishReason.STOP_TOKEN: "stop",
+           FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "stop"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
+
+
+class _Sink:
+    """The engine thread's ``put(event)`` -> an asyncio queue of (choice index, event)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int):
+        self.loop, self.q, self.index = loop, q, index
+
+    def put(self, ev) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, (self.index, ev))
+        except RuntimeError:  # the loop is closed (server stopped): nobody is listening
+            pass
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, ensure_ascii=False), status=status,
+                        content_type="application/json")
+
+
+def _error(e: ApiError) -> web.Response:
+    return _json(e.body(), e.status)
+
+
+class OpenAIApi:
+    def __init__(self, engine, prompts, token_bytes, state, metrics, model_name: str,
+                 created: int, auth_token: str = ""):
+        self.engine, self.prompts, self.tb = engine, prompts, token_bytes
+        self.state, self.metrics = state, metrics
+        self.model, self.created = model_name, created
+        self._auth = f"Bearer {auth_token}".encode() if auth_token else None
+
+    # --- app ---------------------------------------------------------------------------------
+    def app(self, max_body: int) -> web.Application:
+        self.max_body = max_body
+        app = web.Application(client_max_size=max_body, middlewares=[self._errors, self._check_auth])
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/v1/models", self.models),
+                        web.get("/v1/models/{model:.+}", self.model_get),
+                        web.get("/health", self.health)])
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as e:
+            self._count(request, e.code or e.type)
+            return _error(e)
+        except web.HTTPRequestEntityTooLarge as e:
+            self._count(request, "request_too_large")
+            return _error(ApiError(413, f"the request body is over the limit of "
+                                        f"{self.max_body} bytes", code="request_too_large"))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(ApiError(e.status, e.reason or "error", code=str(e.status)))
+
+    @web.middleware
+    async def _check_auth(self, request: web.Request, handler):
+        if self._auth is not None and request.path != "/health":
+            got = request.headers.get("Authorization", "").encode()
+            if not got:
+                raise ApiError(401, "missing credentials: send `Authorization: Bearer <token>`",
+                               code="invalid_api_key")
+            if not hmac.compare_digest(got, self._auth):
+                log.warning("rejected an HTTP request to %s: wrong token", request.path)
+                raise ApiError(401, "invalid credentials", code="invalid_api_key")
+        return await handler(request)
+
+    def _count(self, request: web.Request, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.inc(rpc="http " + request.path, outcome=outcome)
+
+    def _gate(self) -> None:
+        if self.state.draining:
+            raise ApiError(503, "the server is shutting down; retry on another replica",
+                           "service_unavailable", code="service_unavailable")
+        if not self.state.ready:
+            raise ApiError(503, "the model is still loading; retry shortly",
+                           "service_unavailable", code="service_unavailable")
+
+    # --- simple endpoints --------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.state.draining:
+            return _json({"status": "draining"}, 503)
+        if not self.state.ready:
+            return _json({"status": "loading"}, 503)
+        return _json({"status": "ok", "model": self.model})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created,
+                "owned_by": "kvserve"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._gate()
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model_get(self, request: web.Request) -> web.Response:
+        self._gate()
+        if request.match_info["model"] != self.model:
+            raise ApiError(404, f"the model '{request.match_info['model'][:100]}' does not "
+                                f"exist", param="model", code="model_not_found")
+        return _json(self._model_card())
+
+    # --- generation --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _parse(self, request: web.Request, chat: bool, rid: str) -> Parsed:
+        if request.content_type not in ("application/json", ""):
+            raise ApiError(415, "send the request body as application/json",
+                           code="unsupported_media_type")
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge
+
+        def work() -> Parsed:  # JSON, the template and the tokenizer run off the loop
+            body = parse_json(raw)
+            try:
+                return (parse_chat if chat else parse_completion)(body, self.prompts,
+                                                                  self.model, rid)
+            except ServingError as e:
+                raise from_serving_error(e) from None
+
+        return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        self._gate()
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        with self.state.call():
+            parsed = await self._parse(request, chat, rid)
+            self._gate()
+            loop = asyncio.get_running_loop()
+            q: asyncio.Queue = asyncio.Queue()
+            handles = []
+            try:
+                try:
+                    for i, req in enumerate(parsed.requests):
+                        handles.append(self.engine.submit(req, _Sink(loop, q, i)))
+                except ServingError as e:
+                    raise from_serving_error(e) from None
+                if parsed.stream:
+                    return await self._stream(request, parsed, rid, chat, q, len(handles))
+                return await self._collect(parsed, rid, chat, q, len(handles))
+            finally:
+                for h in handles:  # no-op for finished ones; frees the slot of the others
+                    h.cancel()
+
+    # --- responses -----------------------------------------------------------------------------
+    def _token(self, i: int) -> tuple[str, list[int]]:
+        b = bytes(self.tb[i])
+        return b.decode("utf-8", errors="replace"), list(b)
+
+    def _chat_logprobs(self, evs: list[TokenEvent], parsed: Parsed) -> dict | None:
+        if not parsed.logprobs:
+            return None
+        content = []
+        for ev in evs:
+            if ev.special:
+                continue
+            tok, b = self._token(ev.token_id)
+            tops = []
+            if ev.top_ids is not None:
+                for i, lp in zip(ev.top_ids.tolist(), ev.top_logprobs.tolist()):
+                    t, tb = self._token(int(i))
+                    tops.append({"token": t, "logprob": float(lp), "bytes": tb})
+            content.append({"token": tok, "logprob": float(ev.logprob), "bytes": b,
+                            "top_logprobs": tops})
+        return {"content": content}
+
+    def _completion_logprobs(self, evs: list[TokenEvent], parsed: Parsed, offset: int) -> dict | None:
+        if not parsed.logprobs:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                "text_offset": []}
+        for ev in evs:
+            if ev.special:
+                continue
+            out["tokens"].append(self._token(ev.token_id)[0])
+            out["token_logprobs"].append(float(ev.logprob))
+            tops = {}
+            if ev.top_ids is not None:
+                for i, lp in zip(ev.top_ids.tolist(), ev.top_logprobs.tolist()):
+                    tops.setdefault(self._token(int(i))[0], float(lp))
+            out["top_logprobs"].append(tops)
+            out["text_offset"].append(offset)
+            offset += len(ev.text)
+        return out
+
+    @staticmethod
+    def _finish_error(ev: FinishEvent, rid: str) -> ApiError | None:
+        if ev.reason is FinishReason.ERROR:
+            return ApiError(500, f"generation failed (internal error); request {rid}",
+                            "server_error", code="internal_error")
+        if ev.reason is FinishReason.CANCELLED and ev.error:
+            return ApiError(503, ev.error, "service_unavailable", code="service_unavailable")
+        return None
+
+    @staticmethod
+    def _usage(finishes: dict[int, FinishEvent], parsed: Parsed) -> dict:
+        # each prompt's tokens count once, whatever n is
+        prompt = sum(finishes[p * parsed.n].prompt_tokens
+                     for p in range(len(finishes) // parsed.n))
+        gen = sum(f.generated_tokens for f in finishes.values())
+        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+
+    async def _collect(self, parsed: Parsed, rid: str, chat: bool, q: asyncio.Queue,
+                       n: int) -> web.Response:
+        tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(n)}
+        finishes: dict[int, FinishEvent] = {}
+        while len(finishes) < n:
+            i, ev = await q.get()
+            if isinstance(ev, TokenEvent):
+                tokens[i].append(ev)
+                continue
+            err = self._finish_error(ev, rid)
+            if err is not None:
+                raise err
+            finishes[i] = ev
+        choices = []
+        for i in range(n):
+            f = finishes[i]
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": f.text},
+                                "logprobs": self._chat_logprobs(tokens[i], parsed),
+                                "finish_reason": _FINISH[f.reason]})
+            else:
+                choices.append({"index": i, "text": f.text,
+                                "logprobs": self._completion_logprobs(tokens[i], parsed, 0),
+                                "finish_reason": _FINISH[f.reason]})
+        self._count_ok(chat)
+        return _json({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                      "created": int(time.time()), "model": self.model, "choices": choices,
+                      "usage": self._usage(finishes, parsed)})
+
+    def _count_ok(self, chat: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.inc(rpc="http /v1/chat/completions" if chat
+                                      else "http /v1/completions", outcome="ok")
+
+    async def _stream(self, request: web.Request, parsed: Parsed, rid: str, chat: bool,
+                      q: asyncio.Queue, n: int) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        async def send(choices: list[dict], usage: dict | None = None) -> None:
+            chunk = {"id": rid, "object": obj, "created": created, "model": self.model,
+                     "choices": choices}
+            if usage is not None:
+                chunk["usage"] = usage
+            await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
+                             + b"\n\n")
+
+        if chat:
+            await send([{"index": i, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None} for i in range(n)])
+        finishes: dict[int, FinishEvent] = {}
+        offsets = [0] * n
+        while len(finishes) < n:
+            i, ev = await q.get()
+            if isinstance(ev, TokenEvent):
+                if not ev.text and not (parsed.logprobs and not ev.special):
+                    continue
+                if chat:
+                    await send([{"index": i, "delta": {"content": ev.text},
+                                 "logprobs": self._chat_logprobs([ev], parsed),
+                                 "finish_reason": None}])
+                else:
+                    await send([{"index": i, "text": ev.text, "finish_reason": None,
+                                 "logprobs": self._completion_logprobs([ev], parsed,
+                                                                       offsets[i])}])
+                    offsets[i] += len(ev.text)
+                continue
+            err = self._finish_error(ev, rid)
+            if err is not None:  # the status is sent already: the error goes in the stream
+                await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                return resp
+            finishes[i] = ev
+            if chat:
+                await send([{"index": i, "delta": {}, "logprobs": None,
+                             "finish_reason": _FINISH[ev.reason]}])
+            else:
+                await send([{"index": i, "text": "", "logprobs": None,
+                             "finish_reason": _FINISH[ev.reason]}])
+        if parsed.include_usage:
+            await send([], self._usage(finishes, parsed))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self._count_ok(chat)
+        return resp
+
+
+class HttpServer:
+    """The aiohttp app on its own thread and event loop."""
+
+    def __init__(self, api: OpenAIApi, host: str, port: int, max_body: int,
+                 tls_cert: str = "", tls_key: str = ""):
+        self.api, self.host, self.want_port, self.max_body = api, host, port, max_body
+        self.tls = (tls_cert, tls_key) if tls_cert else None
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+
+    def start(self) -> int:
+        self._thread = threading.Thread(target=self._run, name="kvserve-http", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise OSError(f"cannot serve HTTP on {self.host}:{self.want_port}: {self._error}")
+        log.info("HTTP (OpenAI-compatible) listening on %s:%d (%s)", self.host, self.port,
+                 "TLS" if self.tls else "plaintext")
+        return self.port
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        # by the time stop() runs, the drain has ended every request: a short shutdown wait
+        runner = web.AppRunner(self.api.app(self.max_body), handler_cancellation=True,
+                               access_log=None, shutdown_timeout=3.0)
+        try:
+            loop.run_until_complete(runner.setup())
+            ctx = None
+            if self.tls:
+                ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                ctx.load_cert_chain(self.tls[0], self.tls[1])
+            site = web.TCPSite(runner, self.host, self.want_port, ssl_context=ctx,
+                               reuse_port=False)
+            loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+            self._started.set()
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)

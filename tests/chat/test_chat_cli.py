@@ -1,0 +1,148 @@
+"""``kvserve chat`` on a real pseudo-terminal against the real server: the answer streams, the
+history grows turn by turn, Ctrl-C stops the current answer (the server cancels it) and the
+session goes on, /reset clears the history, Ctrl-D quits with 0."""
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from chat_helpers import TOKEN
+
+
+class Pty:
+    """The program on a new pseudo-terminal as its controlling terminal (util-linux
+    ``setsid --ctty``; spawned by subprocess, not a bare fork of this threaded process), so that
+    a Ctrl-C typed into the terminal is a real SIGINT from the terminal driver."""
+
+    def __init__(self, argv, env):
+        self.fd, slave = pty.openpty()
+        self.proc = subprocess.Popen(["setsid", "--ctty", *argv], stdin=slave, stdout=slave,
+                                     stderr=slave, env=env, close_fds=True)
+        os.close(slave)
+        self.pid = self.proc.pid
+        self.buf = b""
+
+    def expect(self, pattern: bytes, timeout: float = 60.0) -> bytes:
+        end = time.monotonic() + timeout
+        while not re.search(pattern, self.buf):
+            left = end - time.monotonic()
+            assert left > 0, f"no {pattern!r} in {self.buf[-2000:]!r}"
+            r, _, _ = select.select([self.fd], [], [], left)
+            if r:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    data = b""
+                assert data, f"the program ended; no {pattern!r} in {self.buf[-2000:]!r}"
+                self.buf += data
+        m = re.search(pattern, self.buf)
+        got, self.buf = self.buf[:m.end()], self.buf[m.end():]
+        return got
+
+    def send(self, data: bytes) -> None:
+        os.write(self.fd, data)
+
+    def wait(self, timeout: float = 20.0) -> int:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                os.close(self.fd)
+                return self.proc.returncode
+            try:
+                r, _, _ = select.select([self.fd], [], [], 0.05)
+                if r:
+                    os.read(self.fd, 4096)
+            except OSError:
+                pass
+        self.proc.kill()
+        raise AssertionError("kvserve chat did not exit")
+
+
+def _stats(blob: bytes) -> tuple[int, int]:
+    m = re.search(rb"prompt (\d+) tokens, generated (\d+)", blob)
+    return int(m[1]), int(m[2])
+
+
+def test_chat_on_a_terminal(chat_app):
+    env = {**os.environ, "KVSERVE_AUTH_TOKEN": TOKEN, "KVSERVE_LOG_LEVEL": "WARNING",
+           "TERM": "dumb"}
+    p = Pty([sys.executable, "-m", "kvserve.cli", "chat", "--server",
+             f"127.0.0.1:{chat_app.port}", "--system", "Be brief.", "--max-new-tokens", "8",
+             "--stats"], env)
+    try:
+        p.expect(rb"you> ")
+        p.send(b"hello there\r")
+        first = _stats(p.expect(rb"\]\r?\n"))
+        p.expect(rb"you> ")
+        p.send(b"hello there\r")  # the history goes with it: a longer prompt
+        second = _stats(p.expect(rb"\]\r?\n"))
+        assert second[0] > first[0] + first[1]
+        p.expect(rb"you> ")
+        p.send(b"/reset\r")
+        p.expect(rb"\[history cleared\]")
+        p.expect(rb"you> ")
+        p.send(b"hello there\r")
+        assert _stats(p.expect(rb"\]\r?\n"))[0] == first[0]
+        p.expect(rb"you> ")
+        p.send(b"/bogus\r")
+        p.expect(rb"unknown command /bogus")
+        p.expect(rb"you> ")
+        p.send(b"\x03")  # Ctrl-C at the prompt: a fresh prompt, not the end
+        p.expect(rb"you> ")
+        p.send(b"\x04")  # Ctrl-D quits
+        assert p.wait() == 0
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
+    env = {**os.environ, "KVSERVE_AUTH_TOKEN": TOKEN, "KVSERVE_LOG_LEVEL": "WARNING",
+           "TERM": "dumb"}
+    # a long answer: 600 tokens (the chat test model's context is 1024)
+    p = Pty([sys.executable, "-m", "kvserve.cli", "chat", "--server",
+             f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "600", "--stats"], env)
+    try:
+        p.expect(rb"you> ")
+        stopped, seen = False, []
+        for _ in range(5):  # an answer that ended before the Ctrl-C landed: again
+            before = chat_app.metrics.requests.get(rpc="Generate", outcome="cancelled")
+            p.send(b"/reset\r")
+            p.expect(rb"you> ")
+            p.send(b"hello there\r")
+            p.expect(rb"there\r?\n.")  # the echo, then the first text of the answer
+            p.send(b"\x03")
+            got = p.expect(rb"you> ")
+            seen.append(got[-300:])
+            if b"[stopped]" not in got:
+                continue
+            end = time.monotonic() + 5
+            while not stopped and time.monotonic() < end:  # the server cancelled it
+                stopped = chat_app.metrics.requests.get(rpc="Generate",
+                                                        outcome="cancelled") > before
+                time.sleep(0.02)
+            if stopped:
+                break
+        assert stopped, f"Ctrl-C never stopped an answer that the server cancelled: {seen}"
+        p.send(b"again\r")  # the session goes on
+        p.expect(rb"\[(length|eos_token)[^\]]*\]")
+        p.expect(rb"you> ")
+        p.send(b"/exit\r")
+        assert p.wait() == 0
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()
+
+
+@pytest.fixture(autouse=True)
+def _needs_a_pty():
+    if not hasattr(os, "openpty") or shutil.which("setsid") is None:
+        pytest.skip("needs a POSIX pseudo-terminal and util-linux setsid")
