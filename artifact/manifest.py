@@ -10,6 +10,7 @@ from typing import Any
 MANIFEST = "manifest.json"
 CONFIG = "config.json"  # the model config (kvserve.model.config.ModelConfig)
 TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template and its special tokens
 SIGNATURE = "manifest.sig"  # optional, beside the manifest (artifact/signing.py); never listed
 FORMAT_VERSION = 1
 

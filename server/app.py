@@ -205,7 +205,7 @@ class App:
         if c.http_port >= 0:  # up before warm-up: /health answers 503 until ready
             api = OpenAIApi(self.engine, self.prompts, self.token_bytes, self.state, self.metrics,
                             model_name=c.served_model_name or self.dir.resolve().name,
-                            created=int((self.dir / "manifest.json").stat().st_mtime),
+                            created=int((self.dir / MANIFEST).stat().st_mtime),
                             auth_token=c.auth_token)
             self.http_server = HttpServer(api, c.host, c.http_port, c.max_http_body_bytes,
                                           c.tls_cert, c.tls_key)

@@ -22,11 +22,12 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvserve.artifact.manifest import TOKENIZER_CONFIG
+
 from .domain import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_CONFIG = "tokenizer_config.json"
 # the named special tokens transformers passes to templates (SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")
