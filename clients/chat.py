@@ -14,9 +14,6 @@ import signal
 import sys
 import threading
 
-import grpc
-
-from .client import Completion, KvserveError, TokenEvent
 from .common import add_connection_arguments, client_from_args, fail
 
 PROMPT = "you> "
@@ -91,6 +88,10 @@ def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
     The stream is read on a helper thread. While it runs, Ctrl-C (SIGINT) is handled, not
     raised: the handler marks the answer stopped and cancels the call from a short-lived thread,
     so no KeyboardInterrupt lands inside gRPC's or this loop's code."""
+    import grpc  # here, not at import: `kvserve chat --help` stays light
+
+    from .client import Completion, KvserveError, TokenEvent
+
     out = sys.stdout
     answer, done = [], None
     events: queue.SimpleQueue = queue.SimpleQueue()

@@ -108,7 +108,7 @@ def test_exported_artifact_carries_the_template(chat_artifact):
     refuses a changed template)."""
     import json
 
-    from kvserve.export.manifest import sha256_file
+    from kvserve.artifact.manifest import sha256_file
     from kvserve.server.chat_template import TOKENIZER_CONFIG
 
     path = chat_artifact.dir / TOKENIZER_CONFIG

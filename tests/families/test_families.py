@@ -30,9 +30,19 @@ def test_import_records_generation_config_and_tokenizer_files(served):
     assert cfg.extra["generation_defaults"] == {"do_sample": True, "temperature": 0.6,
                                                 "top_p": 0.9}
     files = json.loads((served.artifact / "manifest.json").read_text())["files"]
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("tokenizer.json", "generation_config.json"):
         assert (served.artifact / name).read_bytes() == (served.hf_dir / name).read_bytes()
         assert name in files  # hashed, so verify() checks it
+    # tokenizer_config.json: import-hf keeps what serving reads from it (the chat template,
+    # wherever the model ships it, and the special-token strings)
+    theirs = json.loads((served.hf_dir / "tokenizer_config.json").read_text())
+    ours = json.loads((served.artifact / "tokenizer_config.json").read_text())
+    assert "tokenizer_config.json" in files
+    assert ours.get("chat_template") == theirs.get("chat_template")
+    for key in ("bos_token", "eos_token"):
+        want = theirs.get(key)
+        want = want.get("content") if isinstance(want, dict) else want
+        assert ours.get(key) == want, key
     assert "config.json" in files  # which holds eos_token_ids
 
 
