@@ -127,12 +127,14 @@ class DeviceKV:
             self._reallocate(_chunks(needed))
 
     def shrink_to_fit(self, n: int) -> None:
-        """After sequences left: when the rows still in use by slots [0, n) fit in half the
-        capacity, move them to smaller buffers (memory; a step's cost follows ``used``)."""
+        """After sequences left: when the rows still in use by slots [0, n) fit in a quarter of
+        the capacity, move them to buffers of twice that. Only memory is at stake (a step's
+        cost follows ``used``, not the capacity), so the hysteresis keeps a steady workload
+        from growing and shrinking (a device copy and new bindings) with every request."""
         target = _chunks(int(self.used[:n].max()) + 1 if n else 1)
         self.used[n:] = 0
-        if target <= self.capacity // 2:
-            self._reallocate(target)
+        if target <= self.capacity // 4:
+            self._reallocate(2 * target)
 
     def _reallocate(self, capacity: int) -> None:
         if self.k:

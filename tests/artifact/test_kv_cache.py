@@ -143,23 +143,26 @@ def test_chunked_prefill_through_the_decode_graph(main_model, lm):
 
 
 def test_buffers_shrink_when_long_sequences_leave(main_model, lm):
-    """The buffers shrink back once the long sequence is gone (memory; on the portable
-    graphs every step also attends over the whole capacity); the remaining sequence's
-    results are unchanged."""
+    """The buffers shrink back once the long sequence is gone; the remaining sequence's results
+    are unchanged. Portable: to the rows in use (every step attends over the whole capacity).
+    Fused: only memory is at stake, so with hysteresis (shrunk when the rows in use fit in a
+    quarter of the capacity, to twice them): a steady workload does not reallocate per
+    request."""
     g = np.random.default_rng(5)
-    long_ids = g.integers(0, main_model.cfg.vocab_size, 300)
+    long_ids = g.integers(0, main_model.cfg.vocab_size, 500)
     short_ids = g.integers(0, main_model.cfg.vocab_size, 6)
     kv = lm.new_cache(2)
     for slot, ids in ((0, short_ids), (1, long_ids)):
         lm.prefill(kv, slot, [ids])
-    assert kv.capacity == 3 * CAPACITY_CHUNK
+    assert kv.capacity == 4 * CAPACITY_CHUNK
     kv.shrink_to_fit(2)  # both still there: nothing to give back
-    assert kv.capacity == 3 * CAPACITY_CHUNK
+    assert kv.capacity == 4 * CAPACITY_CHUNK
     kv.shrink_to_fit(1)  # slot 1 (the long one) left
-    assert kv.capacity == CAPACITY_CHUNK and kv.used[1] == 0
+    after = 2 * CAPACITY_CHUNK if lm.kind == "fused" else CAPACITY_CHUNK
+    assert kv.capacity == after and kv.used[1] == 0
     logits, _ = lm.decode(kv, 1, np.array([7]))
     with torch.no_grad():
         want = main_model(torch.tensor(np.append(short_ids, 7)[None])).logits[0, -1].numpy()
     assert np.abs(logits[0] - want).max() <= LOGIT_TOL
     kv.shrink_to_fit(0)
-    assert kv.capacity == CAPACITY_CHUNK
+    assert kv.capacity == after  # a quarter of 256 rows is below one chunk: kept
