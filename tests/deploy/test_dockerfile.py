@@ -246,7 +246,7 @@ def test_the_context_builds_the_wheel_with_stubs(tmp_path, rules):
     names = set(zipfile.ZipFile(whl).namelist())
     for n in ("kvserve/v1/inference_pb2.py", "kvserve/v1/inference_pb2_grpc.py",
               "kvserve/server/main.py", "kvserve/artifact/verify.py",
-                  "kvserve/artifact/fused.py"):
+              "kvserve/artifact/fused.py", "kvserve/model/hf/llama.py"):
         assert n in names, n
     entry = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("entry_points.txt")))
     assert b"kvserve = kvserve.cli:main" in entry
