@@ -1,6 +1,7 @@
 """What every runner does first: read the artifact's config and manifest, choose providers."""
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -10,6 +11,16 @@ from kvserve.model.config import ModelConfig
 
 from .manifest import CONFIG, MANIFEST
 from .providers import check_optimized_for, choose_providers, session_options
+
+CAPACITY_CHUNK = 128  # KV capacity grows and shrinks in whole chunks of rows
+# Buffer generations are unique across every KV cache of the process, so a cached IO binding can
+# never be taken for a different set of buffers (an ``id()`` is reused once its object is freed).
+GENERATIONS = itertools.count(1)
+
+
+def chunks(rows: int) -> int:
+    """Rows rounded up to a whole number of capacity chunks (at least one)."""
+    return CAPACITY_CHUNK * ((max(rows, 1) + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
 
 
 class ArtifactRunner:

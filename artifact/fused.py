@@ -13,7 +13,6 @@ The same code runs on CPU and CUDA; only where an OrtValue lives differs (``devi
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,21 +24,14 @@ from onnx import TensorProto, helper
 
 from kvserve.model.config import ModelConfig
 
-from .base import ArtifactRunner
+from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
 from .providers import device_of
 from .spec import FUSED_SMALL_INPUTS, fused_spec_from
 
 log = logging.getLogger(__name__)
 
-CAPACITY_CHUNK = 128
-_GENERATIONS = itertools.count(1)  # process-unique buffer generations (see DeviceKV)
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _ONES = np.ones(256, np.int64)  # query_seqlens of a decode step
-
-
-def _chunks(rows: int) -> int:
-    """Rows rounded up to a whole number of capacity chunks."""
-    return CAPACITY_CHUNK * ((max(rows, 1) + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
 
 
 @dataclass
@@ -120,18 +112,18 @@ class DeviceKV:
         self.v: list[ort.OrtValue] = []
         self.used = np.zeros(max_batch, dtype=np.int64)
         self.generation = 0
-        self._reallocate(_chunks(capacity))
+        self._reallocate(chunks(capacity))
 
     def ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
-            self._reallocate(_chunks(needed))
+            self._reallocate(chunks(needed))
 
     def shrink_to_fit(self, n: int) -> None:
         """After sequences left: when the rows still in use by slots [0, n) fit in a quarter of
         the capacity, move them to buffers of twice that. Only memory is at stake (a step's
         cost follows ``used``, not the capacity), so the hysteresis keeps a steady workload
         from growing and shrinking (a device copy and new bindings) with every request."""
-        target = _chunks(int(self.used[:n].max()) + 1 if n else 1)
+        target = chunks(int(self.used[:n].max()) + 1 if n else 1)
         self.used[n:] = 0
         if target <= self.capacity // 4:
             self._reallocate(2 * target)
@@ -145,7 +137,7 @@ class DeviceKV:
             self.k = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
             self.v = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
         self.capacity = capacity
-        self.generation = next(_GENERATIONS)
+        self.generation = next(GENERATIONS)
 
     def move(self, src: int, dst: int) -> None:
         """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""

@@ -13,7 +13,6 @@ leading slice ``[:n]`` of every buffer; a sequence that leaves is replaced by th
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,20 +24,9 @@ import onnxruntime as ort
 from kvserve.model.config import ModelConfig
 
 from .fused import Prefilled
-from .base import ArtifactRunner
+from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
 
 log = logging.getLogger(__name__)
-
-CAPACITY_CHUNK = 128
-# Buffer generations are unique across all KVBuffers of the process, so a cached IO binding can
-# never be taken for a different set of buffers (an ``id()`` is reused once its object is freed).
-_GENERATIONS = itertools.count(1)
-
-
-def _chunks(rows: int) -> int:
-    """Rows rounded up to a whole number of capacity chunks."""
-    return CAPACITY_CHUNK * ((rows + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
-
 
 class KVBuffers:
     """Per-layer key/value homes for up to ``max_batch`` sequences."""
@@ -56,13 +44,13 @@ class KVBuffers:
 
     def ensure_capacity(self, needed: int) -> None:
         if needed > self.capacity:
-            self._reallocate(_chunks(needed))
+            self._reallocate(chunks(needed))
 
     def shrink_to_fit(self, n: int) -> None:
         """After sequences left: when the rows still in use by slots [0, n) fit in half the
         capacity, move them to smaller buffers. Every decode step attends over the whole
         capacity, so one long request that finished must not slow the rest down."""
-        target = _chunks(int(self.used[:n].max()) + 1 if n else 1)
+        target = chunks(int(self.used[:n].max()) + 1 if n else 1)
         if target <= self.capacity // 2:
             self.mask[n:] = 0  # free slots hold nothing
             self.used[n:] = 0
@@ -86,7 +74,7 @@ class KVBuffers:
         mask[:, :keep] = self.mask[:, :keep]
         mask[:, new_cap] = 1  # the column of the token being decoded
         self.mask, self.capacity = mask, new_cap
-        self.generation = next(_GENERATIONS)
+        self.generation = next(GENERATIONS)
 
     def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
         """Copy one prefilled sequence into ``slot``: ``present`` is the flat list of prefill

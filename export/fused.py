@@ -239,19 +239,25 @@ def _ffn(b: _Builder, cfg: ModelConfig, h: str, prefix: str, linear) -> str:
 
 
 def rope_cache(max_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin (max_len, D/2) float32, computed as ``model.layers.rope_cos_sin`` does."""
-    inv = (1.0 / (np.float32(base) ** (np.arange(0, head_dim, 2, dtype=np.float32)
-                                       / np.float32(head_dim)))).astype(np.float32)
-    ang = np.arange(max_len, dtype=np.float32)[:, None] * inv[None]  # (max_len, D/2)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    """cos/sin (max_len, D/2) float32 for GroupQueryAttention's caches: the torch model's own
+    tables (``model.layers``), so both sides rotate by the same numbers."""
+    import torch
+
+    from kvserve.model.layers import rope_cos_sin, rope_inv_freq
+
+    pos = torch.arange(max_len)[None]  # (1, max_len)
+    cos, sin = rope_cos_sin(pos, rope_inv_freq(head_dim, base, None))  # (1, 1, max_len, D)
+    half = head_dim // 2  # rotate-half layout: the two halves repeat
+    return cos[0, 0, :, :half].numpy(), sin[0, 0, :, :half].numpy()
 
 
 def sinusoidal_table(max_len: int, dim: int) -> np.ndarray:
-    """PE (max_len, dim) float32 as ``model.layers.sinusoidal_table``."""
-    i2 = np.arange(0, dim, 2, dtype=np.float32)
-    inv = np.exp(i2 * np.float32(-np.log(10000.0) / dim)).astype(np.float32)
-    ang = np.arange(max_len, dtype=np.float32)[:, None] * inv[None]  # (max_len, dim/2)
-    return np.stack((np.sin(ang), np.cos(ang)), -1).reshape(max_len, dim).astype(np.float32)
+    """PE (max_len, dim) float32: the torch model's table (``model.layers``)."""
+    import torch
+
+    from kvserve.model.layers import sinusoidal_table as table
+
+    return table(torch.arange(max_len)[None], dim)[0].numpy()  # (max_len, dim)
 
 
 def save(model: onnx.ModelProto, path: Path) -> None:
