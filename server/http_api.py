@@ -83,7 +83,7 @@ class OpenAIApi:
         except ApiError as e:
             self._count(request, e.code or e.type)
             return _error(e)
-        except web.HTTPRequestEntityTooLarge as e:
+        except web.HTTPRequestEntityTooLarge:
             self._count(request, "request_too_large")
             return _error(ApiError(413, f"the request body is over the limit of "
                                         f"{self.max_body} bytes", code="request_too_large"))
