@@ -166,3 +166,15 @@ def test_rewind_clears_the_portable_mask_row():
     rewind(kv, 2)
     np.testing.assert_array_equal(kv.used, before[0])
     np.testing.assert_array_equal(kv.mask, before[1])
+
+
+def test_grpc_floor_measures_a_bare_grpcio_server(tmp_path):
+    from kvserve.bench.grpc_floor import main
+
+    out = tmp_path / "floor.json"
+    assert main(["--mb", "0.5", "--calls", "2", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["request_bytes"] == 500_000 and len(saved["settings"]) == 2
+    for s in saved["settings"].values():
+        assert len(s["peak_bytes"]) == 2 and s["max_x"] >= s["median_x"]
+        assert s["max_x"] == pytest.approx(max(s["peak_bytes"]) / 500_000, abs=0.01)

@@ -14,6 +14,7 @@ generated stubs):
 from __future__ import annotations
 
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -190,23 +191,32 @@ def test_requests_at_the_size_limit_cost_about_their_size(srv):
     _refused(srv, *requests["generate-token-ids"][:2])  # gRPC's own first-call buffers
     for name, (rpc, data, code, part) in requests.items():
         assert len(data) <= limit or code == grpc.StatusCode.RESOURCE_EXHAUSTED, name
-        Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = _status(pid)["VmRSS"]
-        t0 = time.monotonic()
-        e = _refused(srv, rpc, data)
-        seconds = time.monotonic() - t0
-        peak = _status(pid)["VmHWM"] - before
-        report.append(f"{name}: {len(data) / 1e6:.1f} MB, +{peak / 1e6:.1f} MB peak RSS, "
-                      f"{seconds * 1000:.0f} ms")
-        assert e.code() == code and part in e.details(), (name, e.code(), e.details())
         size = min(len(data), limit)  # gRPC holds no more than the limit of a bigger one
-        # ~2x is what reaches this code (gRPC's receive buffer and the bytes handed to Python;
-        # a parsed message of strings adds its copy); the rest is the allocator: requests land
-        # on different threads and arenas, so memory freed by one is not always reused by the
-        # next (measured here: 0.0-3.0x, most 1-2x; before the fix: ~1 GB for 40 MB)
-        assert peak <= 3 * size + (2 << 20), report
+        peaks, times = [], []
+        for _ in range(3):
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+            before = _status(pid)["VmRSS"]
+            t0 = time.monotonic()
+            e = _refused(srv, rpc, data)
+            times.append(time.monotonic() - t0)
+            peaks.append(_status(pid)["VmHWM"] - before)
+            assert e.code() == code and part in e.details(), (name, e.code(), e.details())
+        peak, seconds = statistics.median(peaks), statistics.median(times)
+        report.append(f"{name}: {len(data) / 1e6:.1f} MB, peak RSS +"
+                      f"{'/'.join(f'{p / 1e6:.1f}' for p in peaks)} MB, "
+                      f"{'/'.join(f'{t * 1000:.0f}' for t in times)} ms")
+        # the target is ~2x the request; what reaches kvserve's code is gRPC's receive buffer
+        # and the bytes handed to Python, and kvserve's own check allocates 64 KiB chunks (the
+        # next test). One call can show more: grpcio assembles the message in a bytearray
+        # before it hands over the bytes, and requests land on different threads and malloc
+        # arenas (bench/grpc_floor.py: a bare grpcio server peaks at up to ~2.7x the request
+        # per call). Before the fix: ~1 GB for 40 MB.
+        assert peak <= 2 * size + (1 << 20), report
+        assert max(peaks) <= 3 * size + (2 << 20), report
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # (that one: the time to send 40 MB)
-            assert seconds < 1.5, report  # the target is 0.5 s; before the fix: 2-6 s
+            # a guard, not the benchmark (measured here: 3-15 ms; the target is 0.5 s; before
+            # the fix: 2-6 s)
+            assert seconds < 1.5, report
     print("\n".join(report))
     assert call(srv.channel, "Tokenize", pb.TokenizeRequest(texts=["ok"]).SerializeToString())
 
@@ -220,3 +230,38 @@ def test_score_texts_stop_tokenizing_at_the_token_budget(srv):
     e = _refused(srv, "Score", data)
     assert e.code() == IA and "tokens in all after 1 of 4; the limit is 65536" in e.details(), \
         e.details()
+
+
+def test_the_wire_check_allocates_a_chunk_not_the_request():
+    """In process, under tracemalloc: what kvserve's own check (step 2 of server/wire.py)
+    allocates for each request at the size limit is a bounded chunk (it slices 64 KiB at a
+    time), not a multiple of the request. The rest of the process-level peak above is
+    grpcio's receive path, which holds a message about three times over at its peak (the
+    core's slices, the bytearray it assembles, the bytes it hands over: ``bench/grpc_floor.py``
+    measures a bare grpcio server with the same bytes)."""
+    import tracemalloc
+
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.validation import Limits
+    from kvserve.server.wire import OverLimit, count_repeated, receive_limit, request_limits
+
+    cfg = ServerConfig()
+    limits = request_limits(cfg, Limits.make(cfg, vocab_size=512, n_layers=2, n_heads=4,
+                                             max_seq_len=256))
+    limit = receive_limit(limits)
+    descs = {m.name: m.input_type for m in pb.DESCRIPTOR.services_by_name["Inference"].methods}
+    checked = []
+    for name, (rpc, data, code, _) in big_requests(limit).items():
+        method = limits[f"/kvserve.v1.Inference/{rpc}"]
+        if len(data) > method.max_bytes:
+            continue  # refused on its length alone (step 1), before anything is read
+        tracemalloc.start()
+        try:
+            with pytest.raises(OverLimit):
+                count_repeated(data, descs[rpc], method.caps)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak <= 3 * (64 << 10), (name, len(data), peak)
+        checked.append(name)
+    assert len(checked) >= 5, checked
