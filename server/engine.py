@@ -137,6 +137,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self.steps = 0
+        self._running = 0  # the running gauge's last value
         # tools (profilers, tracers): called as hook(run) around each loop iteration, where
         # run() is the iteration itself; set before start() or between requests
         self.iteration_hook: Callable[[Callable[[], None]], None] | None = None
@@ -225,7 +226,8 @@ class Engine:
                 if self._stop:
                     break
                 admit = self._take_admissions()
-                self.metrics.queue_depth(len(self._waiting))
+                if admit or self._waiting:
+                    self.metrics.queue_depth(len(self._waiting))
             try:
                 if self.iteration_hook is None:
                     self._iteration(admit)
@@ -258,6 +260,8 @@ class Engine:
 
     def _take_admissions(self) -> list[_Seq]:
         """Under the lock: retire dead queued requests, pop the ones that fit."""
+        if not self._waiting:
+            return []
         now = time.monotonic()
         keep: collections.deque[_Seq] = collections.deque()
         for seq in self._waiting:
@@ -280,7 +284,9 @@ class Engine:
         if self.active:
             self._decode_step()
         self._retire_done()
-        self.metrics.running(len(self.active))
+        if admit or self._running != len(self.active):
+            self._running = len(self.active)
+            self.metrics.running(self._running)
         if self._jobs:
             self._advance_jobs()
 
@@ -349,6 +355,10 @@ class Engine:
         logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
         self.steps += 1
         self.metrics.step(n, time.monotonic() - t0)
+        # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
+        # over the batch (V,) rows at once: the same token next_token would pick
+        argmax = logits[:n].argmax(axis=1).tolist() \
+            if any(self._plain_greedy(s) for s in self.active) else None
         for i, seq in enumerate(self.active):
             if seq.forced:
                 seq.feed = seq.forced.popleft()
@@ -358,23 +368,33 @@ class Engine:
                 rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self._on_logits(seq, logits[i], rows)
+            self._on_logits(seq, logits[i], rows,
+                            argmax[i] if argmax is not None and self._plain_greedy(seq) else None)
 
-    def _on_logits(self, seq: _Seq, raw: np.ndarray, attention) -> None:
-        """Sample the next token of ``seq`` from its logits row (V,) and emit it."""
+    def _plain_greedy(self, seq: _Seq) -> bool:
+        p, st = seq.req.sampling, seq.req.stopping
+        return p.greedy and not p.has_penalties and (
+            len(seq.generated) >= st.min_new_tokens
+            or not (st.stop_token_ids or (self.eos_ids and not st.ignore_eos)))
+
+    def _on_logits(self, seq: _Seq, raw: np.ndarray, attention, tok: int | None = None
+                   ) -> None:
+        """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
+        by the batch's greedy argmax) and emit it."""
         req = seq.req
         k = len(seq.generated)
-        x = raw
-        banned = banned_ids(req.stopping, self.eos_ids, k)
-        if banned:
-            x = raw.copy()
-            x[banned] = NEG_INF
-        if req.sampling.has_penalties:  # the token arrays are built only when used
-            gen = np.asarray(seq.generated, np.int64)
-            ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen])
-        else:
-            gen = ctx = _NO_TOKENS
-        tok = next_token(x, req.sampling, seq.rng, ctx, gen)
+        if tok is None:
+            x = raw
+            banned = banned_ids(req.stopping, self.eos_ids, k)
+            if banned:
+                x = raw.copy()
+                x[banned] = NEG_INF
+            if req.sampling.has_penalties:  # the token arrays are built only when used
+                gen = np.asarray(seq.generated, np.int64)
+                ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen])
+            else:
+                gen = ctx = _NO_TOKENS
+            tok = next_token(x, req.sampling, seq.rng, ctx, gen)
         seq.generated.append(tok)
         seq.feed = tok
 
@@ -428,14 +448,18 @@ class Engine:
 
     def _retire_dead(self) -> None:
         now = time.monotonic()
+        dead = False
         for seq in self.active:
             if seq.done:
-                continue
-            if seq.handle.cancelled:
+                dead = True
+            elif seq.handle.cancelled:
                 self._finish(seq, FinishReason.CANCELLED)
+                dead = True
             elif seq.req.deadline is not None and now >= seq.req.deadline:
                 self._finish(seq, FinishReason.TIME_LIMIT)
-        self._retire_done()
+                dead = True
+        if dead:
+            self._retire_done()
 
     def _retire_done(self) -> None:
         gone = [i for i, s in enumerate(self.active) if s.done]

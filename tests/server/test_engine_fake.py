@@ -189,3 +189,31 @@ def test_every_eos_id_stops(make_engine):
     assert fin.reason is FinishReason.EOS_TOKEN
     toks, fin = _collect(engine.submit(_req([9], 12, min_new_tokens=12)))
     assert len(toks) == 12 and not set(toks) & set(ids)
+
+
+def test_the_batch_argmax_fast_path_picks_what_each_row_would_alone(make_engine):
+    """Plain greedy rows take one argmax over the batch; rows with something banned (eos
+    before min_new_tokens), penalties or sampling go through next_token. Side by side in one
+    batch, every row gets what it gets alone."""
+    lm = FakeLM(V)
+    ref = lm.reference([7], 20)
+    eos = ref[3]
+    engine, _ = make_engine(lm, eos_id=eos, max_batch=4)
+
+    def reqs():
+        return [_req([7], 12),  # plain greedy: stops at eos
+                _req([7], 12, min_new_tokens=6),  # eos banned for 6 tokens
+                GenerateRequest(prompt_ids=[9, 3], sampling=SamplingParams(
+                    repetition_penalty=1.3), stopping=StopParams(max_new_tokens=12),
+                    output=OutputParams()),
+                GenerateRequest(prompt_ids=[4], sampling=SamplingParams(
+                    temperature=0.8, seed=11), stopping=StopParams(max_new_tokens=12),
+                    output=OutputParams())]
+
+    alone = [_collect(engine.submit(r)) for r in reqs()]
+    together = [_collect(h) for h in engine.submit_many(reqs())]
+    for (ta, fa), (tt, ft) in zip(alone, together):
+        assert ta == tt and fa.reason is ft.reason
+    assert alone[0][0] == ref[:ref.index(eos) + 1]
+    assert alone[0][1].reason is FinishReason.EOS_TOKEN
+    assert len(alone[1][0]) >= 6 and eos not in alone[1][0][:6]
