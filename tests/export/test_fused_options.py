@@ -141,6 +141,21 @@ def test_the_gate_sees_the_window(exported, name):
         assert max(r.max_abs_logit_prefill, r.max_abs_logit_decode) > 100 * LOGIT_TOL, other
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_windowed_chunked_prefill(exported, name):
+    """A prompt prefilled in chunks (the server's chunked prefill / Score of long inputs): each
+    chunk's queries see the window across the chunk boundary, as torch on the whole sequence."""
+    model, art = exported(name)
+    seq = np.random.default_rng(5).integers(0, model.cfg.vocab_size, 40).tolist()
+    lm = load_lm(art, provider="cpu", threads=THREADS, attention=False)
+    kv = lm.new_cache(1)
+    got = [lm.prefill(kv, 0, [seq[:9]]).logits[0], lm.extend(kv, 0, seq[9:12]),
+           lm.extend(kv, 0, seq[12:40])]
+    with torch.no_grad():
+        want = model(torch.tensor([seq])).logits[0].numpy()
+    assert float(np.abs(np.concatenate(got) - want).max()) <= LOGIT_TOL
+
+
 def test_longrope_stays_portable_with_a_reason(tmp_path, tokenizer_json):
     """LongRoPE picks short or long frequencies per sequence (GroupQueryAttention takes one
     cos/sin table): exported portable, the manifest says why, and it passes the gate."""
