@@ -6,6 +6,12 @@ past and present share one preallocated buffer per layer that the op writes in p
 adds are fused into the norms (``Skip[Simplified]LayerNormalization``), q/k/v are one MatMul.
 Learned / sinusoidal positions, Post-Norm and biases sit outside the op.
 
+The options of imported families: the op's ``scale``, ``softcap`` and ``local_window_size``
+(sliding windows, per layer) and ``do_rotary`` (per layer: SmolLM3's no-RoPE layers); scaled
+RoPE (``linear``, ``llama3``) in the cos/sin tables; Gemma's ``(1 + w)`` norms folded into the
+weights and its embedding scale a Mul; q/k RMSNorm, sandwich norms, GeGLU and final-logit
+soft-capping as graph ops (``fused_ops``).
+
 I/O (``kvserve.artifact.spec.fused_io``): ``input_ids`` (B, S) right-padded; ``seqlens_k`` (B,)
 = tokens in the cache after this call - 1; ``query_seqlens`` (B,) = valid tokens of this call;
 ``total_sequence_length`` () = max over the batch of seqlens_k + 1; the KV buffers (B, Hkv, C,
@@ -20,23 +26,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from kvserve.artifact.spec import FusedSpec
 from kvserve.model.config import ModelConfig
 
+from .fused_ops import MS, Builder, ffn, positions, qk_norm, rope_cache, sinusoidal_table, softcap
+
 FUSED_OPSET = 23  # RMSNormalization (a standard op from 23) for the norms without a skip
-MS = "com.microsoft"
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention needs head_size % 16 == 0
-
-
-# options of imported model families that the fused graph does not build (yet): a model that
-# sets one is exported portable (the torch-exported graphs carry every option)
-_NOT_FUSED = {"rope_scaling": None, "rope_layers": None, "qk_norm": False, "embed_scale": None,
-              "norm_offset": 0.0, "sandwich_norm": False, "attn_scale": None,
-              "attn_softcap": None, "final_softcap": None, "sliding_window": None,
-              "sliding_layers": None}
-_FUSED_FFNS = ("gelu", "gelu_tanh", "relu", "swiglu")
 
 
 def unsupported(cfg: ModelConfig) -> list[str]:
@@ -45,39 +43,10 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     if cfg.head_dim % GQA_HEAD_MULTIPLE:
         why.append(f"head_dim {cfg.head_dim} is not a multiple of {GQA_HEAD_MULTIPLE} "
                    f"(onnxruntime's GroupQueryAttention on CPU)")
-    if cfg.ffn not in _FUSED_FFNS:
-        why.append(f"ffn {cfg.ffn!r} is not built into the fused graph")
-    for name, default in _NOT_FUSED.items():
-        if getattr(cfg, name, default) != default:
-            why.append(f"{name} is not built into the fused graph")
+    if (cfg.rope_scaling or {}).get("type") == "longrope":
+        why.append("rope_scaling longrope switches between short and long factors per sequence "
+                   "(GroupQueryAttention takes one cos/sin table)")
     return why
-
-
-class _Builder:
-    def __init__(self, dtype):
-        self.nodes: list[onnx.NodeProto] = []
-        self.inits: list[onnx.TensorProto] = []
-        self.dtype = dtype
-        self._n = 0
-
-    def init(self, name: str, arr: np.ndarray, keep_dtype: bool = False) -> str:
-        a = np.asarray(arr)
-        if not keep_dtype and a.dtype.kind == "f":
-            a = a.astype(self.dtype)
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(a), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "",
-           name: str | None = None, **attrs) -> list[str]:
-        self._n += 1
-        base = name or f"{op_type.lower()}_{self._n}"
-        outs = [f"{base}/out{i}" for i in range(n_out)]
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=base, domain=domain,
-                                           **attrs))
-        return outs
-
-    def one(self, op_type: str, inputs: list[str], **kw) -> str:
-        return self.op(op_type, inputs, **kw)[0]
 
 
 def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpec,
@@ -86,7 +55,7 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
     why = unsupported(cfg)
     if why:
         raise ValueError("no fused graph for this config: " + "; ".join(why))
-    b = _Builder(dtype)
+    b = Builder(dtype)
     W = weights
     T_FLOAT = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     L, H, Hkv, D, C = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
@@ -99,7 +68,9 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
         return y
 
     def norm_params(prefix: str) -> list[str]:
-        p = [b.init(prefix + ".weight", W[prefix + ".weight"])]
+        # Gemma's (offset + w) RMSNorm: the offset is folded into the gain (float32, as torch)
+        w = W[prefix + ".weight"] + np.float32(cfg.norm_offset) if rms else W[prefix + ".weight"]
+        p = [b.init(prefix + ".weight", w)]
         if not rms:
             p.append(b.init(prefix + ".bias", W[prefix + ".bias"]))
         return p
@@ -133,15 +104,18 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
                                                               kv_shape))
 
     x = b.one("Gather", [b.init("tok_emb.weight", W["tok_emb.weight"]), "input_ids"])
+    if cfg.embed_scale is not None:  # Gemma: embeddings times sqrt(d_model)
+        x = b.one("Mul", [x, b.init("embed_scale", np.array(cfg.embed_scale, np.float32))])
     if cfg.positions in ("learned", "sinusoidal"):
         table = W["pos_emb.weight"] if cfg.positions == "learned" else \
             sinusoidal_table(cfg.max_seq_len, C)
         x = b.one("Add", [x, b.one("Gather", [b.init("pos_emb.table", table),
-                                              _positions(b)])])  # (B, S, C)
+                                              positions(b)])])  # (B, S, C)
     rope = []
     if cfg.positions == "rope":
-        cos, sin = rope_cache(cfg.max_seq_len, D, cfg.rope_base)
+        cos, sin = rope_cache(cfg.max_seq_len, D, cfg.rope_base, cfg.rope_scaling)
         rope = [b.init("rope.cos", cos), b.init("rope.sin", sin)]
+    scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / float(np.sqrt(D))
 
     # --- the blocks --------------------------------------------------------------------------
     pre = cfg.norm_placement == "pre"
@@ -154,24 +128,37 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
         else:
             h = residual
         qkv = linear(h, p + ".attn.qkv")  # (B, S, (H + 2 Hkv) D)
+        if cfg.qk_norm:
+            qkv = qk_norm(b, cfg, qkv, *norm_params(p + ".attn.q_norm"),
+                          *norm_params(p + ".attn.k_norm"))
+        layer_rope = rope if cfg.layer_rope(i) else []
+        window = cfg.layer_window(i)
         gqa_in = [qkv, "", "", spec.past(i, "key"), spec.past(i, "value"), "seqlens_k",
-                  "total_sequence_length", *(rope or ["", ""]), "", "", "", "", "", "", "",
-                  "query_seqlens"]
+                  "total_sequence_length", *(layer_rope or ["", ""]), "", "", "", "", "", "",
+                  "", "query_seqlens"]
         outs = [f"{p}/attn", spec.present(i, "key"), spec.present(i, "value")]
         if spec.attention:
             outs.append(spec.attn(i))
         b.nodes.append(helper.make_node(
             "GroupQueryAttention", gqa_in, outs, name=f"{p}/gqa", domain=MS, num_heads=H,
-            kv_num_heads=Hkv, scale=1.0 / float(np.sqrt(D)), do_rotary=int(bool(rope)),
-            rotary_interleaved=0, local_window_size=-1, softcap=0.0,
+            kv_num_heads=Hkv, scale=float(scale), do_rotary=int(bool(layer_rope)),
+            rotary_interleaved=0,
+            # the op keeps the last local_window_size keys, the query's own included: our
+            # (and Hugging Face's) sliding_window exactly (W - 1 fails the parity gate)
+            local_window_size=-1 if window is None else window,
+            softcap=float(cfg.attn_softcap or 0.0),
             **({"qk_output": 2} if spec.attention else {})))
         a = linear(f"{p}/attn", p + ".attn.out")  # (B, S, C)
+        if cfg.sandwich_norm:  # Gemma 2: a norm on the branch output, before the residual add
+            a = norm(a, p + ".norm1_post")
         if pre:
             h, residual = skip_norm(a, residual, p + ".norm2")
         else:
             residual, _ = skip_norm(a, residual, p + ".norm1")
             h = residual
-        f = _ffn(b, cfg, h, p + ".ffn", linear)
+        f = ffn(b, cfg, h, p + ".ffn", linear)
+        if cfg.sandwich_norm:
+            f = norm(f, p + ".norm2_post")
         if pre:
             delta = f
         else:
@@ -187,6 +174,8 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
     logits = b.one("MatMul", [x, b.init("lm_head.weight.T", lm_head.T)])  # (B, S, V)
     if dtype != np.float32:
         logits = b.one("Cast", [logits], to=TensorProto.FLOAT)
+    if cfg.final_softcap is not None:
+        logits = softcap(b, logits, cfg.final_softcap, "final_softcap")
     b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
 
     graph_outputs = [helper.make_tensor_value_info(
@@ -206,60 +195,6 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
                               producer_name="kvserve")
     model.ir_version = 10
     return model
-
-
-def _positions(b: _Builder) -> str:
-    """position_ids (B, S) int64 from the cache counters: P_b + s, P_b = seqlens_k + 1 - Q_b."""
-    one = b.init("const.one_i32", np.array(1, np.int32), keep_dtype=True)
-    past = b.one("Sub", [b.one("Add", ["seqlens_k", one]), "query_seqlens"])  # (B,)
-    past = b.one("Cast", [past], to=TensorProto.INT64)
-    shape = b.one("Shape", ["input_ids"])
-    seq = b.one("Gather", [shape, b.init("const.one_i64", np.array(1, np.int64),
-                                         keep_dtype=True)], axis=0)
-    zero = b.init("const.zero_i64", np.array(0, np.int64), keep_dtype=True)
-    step = b.init("const.step_i64", np.array(1, np.int64), keep_dtype=True)
-    rng = b.one("Range", [zero, seq, step])  # (S,)
-    axis1 = b.init("const.axis1", np.array([1], np.int64), keep_dtype=True)
-    return b.one("Add", [b.one("Unsqueeze", [past, axis1]), rng])  # (B, S)
-
-
-def _ffn(b: _Builder, cfg: ModelConfig, h: str, prefix: str, linear) -> str:
-    up = linear(h, prefix + ".w_in")  # (B, S, F) or (B, S, 2F)
-    if cfg.ffn == "swiglu":
-        gate, val = b.op("Split", [up, b.init(prefix + ".split", np.array([cfg.d_ff, cfg.d_ff]),
-                                              keep_dtype=True)], n_out=2, axis=-1)
-        act = b.one("Mul", [b.one("Mul", [gate, b.one("Sigmoid", [gate])]), val])
-    elif cfg.ffn == "gelu":
-        act = b.one("Gelu", [up])
-    elif cfg.ffn == "gelu_tanh":
-        act = b.one("Gelu", [up], approximate="tanh")
-    else:
-        act = b.one("Relu", [up])
-    return linear(act, prefix + ".w_out")
-
-
-def rope_cache(max_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin (max_len, D/2) float32 for GroupQueryAttention's caches: the torch model's own
-    tables (``model.layers``), so both sides rotate by the same numbers."""
-    import torch
-
-    from kvserve.model.layers import rope_cos_sin, rope_inv_freq
-
-    pos = torch.arange(max_len)[None]  # (1, max_len)
-    cos, sin = rope_cos_sin(pos, rope_inv_freq(head_dim, base, None))  # (1, 1, max_len, D)
-    half = head_dim // 2  # rotate-half layout: the two halves repeat
-    return cos[0, 0, :, :half].numpy(), sin[0, 0, :, :half].numpy()
-
-
-def sinusoidal_table(max_len: int, dim: int) -> np.ndarray:
-    """PE (max_len, dim) float32: the torch model's table (``model.layers``)."""
-    import torch
-
-    from kvserve.model.layers import sinusoidal_table as table
-
-    return table(torch.arange(max_len)[None], dim)[0].numpy()  # (max_len, dim)
-
-
 def save(model: onnx.ModelProto, path: Path) -> None:
     """Graph in ``path``, weights in ``<name>.data`` beside it."""
     onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data",

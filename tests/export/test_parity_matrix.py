@@ -18,8 +18,8 @@ def test_matrix_covers_every_option():
     assert {c.norm for c in cfgs} == set(NORMS)
     assert {c.norm_placement for c in cfgs} == set(PLACEMENTS)
     assert {c.final_norm for c in cfgs} == {True, False}
-    # geglu_tanh (Gemma) and the other options of imported families are exported and served
-    # per family in tests/families
+    # geglu_tanh (Gemma) and the other options of imported families are exported fused in
+    # test_fused_options.py, and served per family in tests/families
     assert {c.ffn for c in cfgs} == set(FFNS) - {"geglu_tanh"}
     assert {("MHA" if c.n_kv_heads == c.n_heads else "MQA" if c.n_kv_heads == 1 else "GQA")
             for c in cfgs} == {"MHA", "GQA", "MQA"}

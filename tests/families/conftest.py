@@ -1,10 +1,11 @@
 """One imported, exported and served artifact per family, shared by that family's checks.
 
 The fixture is module-scoped and parametrised by family, so pytest runs every check of one
-family against one server before building the next family's (one export each: dynamo exports
-are the cost here)."""
+family against one server before building the next family's (one export each: the fused graph
+takes a second, a portable one, ``family_models.PORTABLE``, a dynamo export of many)."""
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ pytest.importorskip("onnxscript")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from family_models import CASES, SPIECE, build, save, sentencepiece_tokenizer  # noqa: E402
+from family_models import CASES, PORTABLE, SPIECE, build, save, sentencepiece_tokenizer  # noqa: E402
 from kvserve_testing import TRAIN_TEXTS, running_app  # noqa: E402
 
 PROMPT = [11, 40, 7, 93, 150, 21, 64, 33, 12, 200, 17, 81]  # 12 tokens: past every window
@@ -90,6 +91,8 @@ def served(request, tmp_path_factory):
     hf_dir = save(hf, root / "hf", tokenizer_json=tok, eos=eos)
     ckpt = import_hf(hf_dir, root / "ckpt")
     art = export_artifacts(ckpt, root / "art", attention=False, progress=False, threads=1)
+    kind = json.loads((art / "manifest.json").read_text())["kind"]
+    assert kind == ("portable" if name in PORTABLE else "fused"), (name, kind)
 
     class _A:  # what running_app needs
         dir = art

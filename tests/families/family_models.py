@@ -3,7 +3,8 @@ options switched on (offline, float32), saved as local Hugging Face directories.
 
 Every case has GQA where the family has it, an odd head count or explicit head_dim where
 allowed, a generation_config.json with several EOS ids, and (sliding-window families) a
-window far shorter than the tests' sequences.
+window far shorter than the tests' sequences. Most have head_dim 16 or 32 and export as the
+fused graph; ``PORTABLE`` lists those exported portable (LongRoPE; Gemma's head_dim 12).
 """
 from __future__ import annotations
 
@@ -17,33 +18,38 @@ VOCAB = 320
 SEED = 4321
 WINDOW = 6  # sliding windows: prompts are up to 12 tokens and decoding runs 64 steps past them
 SPIECE = ("mistral", "gemma", "gemma2", "phi3", "phi3_longrope")  # SentencePiece tokenizers
+# exported portable (the others fused): LongRoPE, and Gemma's head_dim 12 (not a multiple of 16)
+PORTABLE = ("gemma", "phi3_longrope", "phi3_longrope_short")
 
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
               initializer_range=0.15)  # livelier than 0.02: greedy text that does not repeat
+# head_dim 16 (96 / 6): the fused graph (onnxruntime's GroupQueryAttention on CPU takes multiples
+# of 16); _LLAMA's head_dim 8 is for the portable cases (LongRoPE, and Gemma's explicit 12)
+_FUSED = dict(_LLAMA, hidden_size=96)
 _LONG = [1.0 + 0.5 * i for i in range(4)]
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama3": ("Llama", dict(**_LLAMA, tie_word_embeddings=False, rope_parameters=dict(
+    "llama3": ("Llama", dict(**_FUSED, tie_word_embeddings=False, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=16))),
-    "smollm2": ("Llama", dict(**_LLAMA, tie_word_embeddings=True, rope_parameters=dict(
+    "smollm2": ("Llama", dict(**_FUSED, tie_word_embeddings=True, rope_parameters=dict(
         rope_type="linear", rope_theta=10000.0, factor=2.0))),
-    "smollm3": ("SmolLM3", dict(**_LLAMA, tie_word_embeddings=True, no_rope_layers=[1, 0],
+    "smollm3": ("SmolLM3", dict(**_FUSED, tie_word_embeddings=True, no_rope_layers=[1, 0],
                                 rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
                                                      factor=2.0),
                                 use_sliding_window=False)),
-    "qwen2": ("Qwen2", dict(**_LLAMA, tie_word_embeddings=False, use_sliding_window=True,
+    "qwen2": ("Qwen2", dict(**_FUSED, tie_word_embeddings=False, use_sliding_window=True,
                             sliding_window=WINDOW, max_window_layers=1)),
-    "qwen3": ("Qwen3", dict(**_LLAMA, head_dim=10, tie_word_embeddings=True,
+    "qwen3": ("Qwen3", dict(**_FUSED, head_dim=32, tie_word_embeddings=True,
                             attention_bias=True)),
-    "mistral": ("Mistral", dict(**_LLAMA, sliding_window=WINDOW, tie_word_embeddings=False)),
+    "mistral": ("Mistral", dict(**_FUSED, sliding_window=WINDOW, tie_word_embeddings=False)),
     "gemma": ("Gemma", dict(**{**_LLAMA, "num_key_value_heads": 1}, head_dim=12,
                             hidden_act="gelu_pytorch_tanh")),
-    "gemma2": ("Gemma2", dict(**_LLAMA, head_dim=12, sliding_window=WINDOW,
+    "gemma2": ("Gemma2", dict(**_FUSED, head_dim=32, sliding_window=WINDOW,
                               query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0)),
-    "phi3": ("Phi3", dict(**_LLAMA, sliding_window=WINDOW * 2)),
+    "phi3": ("Phi3", dict(**_FUSED, sliding_window=WINDOW * 2)),
     # LongRoPE: every test sequence (3+ tokens) is past original_max_position_embeddings, so
     # the long factors apply throughout (see README: a sequence crossing it while decoding is
     # recomputed by transformers' generate and not by kvserve)
