@@ -16,6 +16,7 @@ import torch
 VOCAB = 320
 SEED = 4321
 WINDOW = 6  # sliding windows: prompts are up to 12 tokens and decoding runs 64 steps past them
+ORIG_MAX = 20  # phi3_longrope's original_max_position_embeddings: crossed while decoding
 SPIECE = ("mistral", "gemma", "gemma2", "phi3", "phi3_longrope")  # SentencePiece tokenizers
 
 _LLAMA = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
@@ -44,14 +45,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                               query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0)),
     "phi3": ("Phi3", dict(**_LLAMA, sliding_window=WINDOW * 2)),
-    # LongRoPE: every test sequence (3+ tokens) is past original_max_position_embeddings, so
-    # the long factors apply throughout (see README: a sequence crossing it while decoding is
-    # recomputed by transformers' generate and not by kvserve)
+    # LongRoPE: the prompts (3 to 12 tokens) are short, and every row crosses
+    # original_max_position_embeddings (ORIG_MAX) while decoding, each at its own step;
+    # Score's long sequence is long from the start
     "phi3_longrope": ("Phi3", dict(**{**_LLAMA, "num_key_value_heads": 6},
-                                   sliding_window=WINDOW, original_max_position_embeddings=2,
+                                   sliding_window=WINDOW,
+                                   original_max_position_embeddings=ORIG_MAX,
                                    rope_parameters=dict(rope_type="longrope",
                                                         rope_theta=10000.0,
-                                                        original_max_position_embeddings=2,
+                                                        original_max_position_embeddings=ORIG_MAX,
                                                         short_factor=[1.0, 1.0, 1.5, 2.0],
                                                         long_factor=_LONG))),
     # ... and one whose sequences stay below it (the short factors)
