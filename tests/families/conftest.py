@@ -23,7 +23,7 @@ from kvserve_testing import TRAIN_TEXTS, running_app  # noqa: E402
 
 PROMPT = [11, 40, 7, 93, 150, 21, 64, 33, 12, 200, 17, 81]  # 12 tokens: past every window
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3_longrope",
-            "smollm3"]
+            "smollm3", "phi3", "smollm2"]
 
 
 @dataclass
