@@ -8,5 +8,6 @@ reads them with it; it imports neither.
 - ``providers`` execution providers and session options
 - ``fused``     the fused GroupQueryAttention graph's runner and its device-resident KV cache
 - ``portable``  the standard-ops graphs' runner (``kvserve export --portable``)
+- ``longrope``  LongRoPE rows crossing original_max_position_embeddings: refilled once
 - ``load_lm``   the runner an artifact's manifest asks for
 """

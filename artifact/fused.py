@@ -139,6 +139,10 @@ class DeviceKV:
         self.capacity = capacity
         self.generation = next(GENERATIONS)
 
+    def clear(self, slot: int) -> None:
+        """Empty ``slot`` (its rows are refilled from row 0)."""
+        self.used[slot] = 0
+
     def move(self, src: int, dst: int) -> None:
         """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
         if src == dst:
@@ -313,9 +317,14 @@ class FusedLM(ArtifactRunner):
                     for b, n in enumerate(lens)]
         return Prefilled(logits, attn)
 
-    def extend(self, kv: DeviceKV, slot: int, tokens) -> np.ndarray:
+    def extend(self, kv: DeviceKV, slot: int, tokens, rope_length: int | None = None
+               ) -> np.ndarray:
         """A chunk of one slot's tokens (chunked prefill of a long prompt or Score input) after
-        its rows so far. Returns the chunk's logits (T, V)."""
+        its rows so far. Returns the chunk's logits (T, V). ``rope_length`` (LongRoPE's
+        factors of a longer sequence) only means something to the portable graphs: a LongRoPE
+        model is exported portable."""
+        if rope_length is not None and self.cfg.longrope_limit is not None:
+            raise NotImplementedError("the fused graph does not carry LongRoPE")
         return self.prefill(kv, slot, [tokens]).logits[0]
 
     def decode(self, kv: DeviceKV, n: int, tokens: np.ndarray, attention: bool = False

@@ -99,6 +99,11 @@ class KVBuffers:
         self.mask[b, rows] = 1
         self.used[:n] += 1
 
+    def clear(self, slot: int) -> None:
+        """Empty ``slot`` (its rows are refilled from row 0: a LongRoPE row crossing)."""
+        self.mask[slot, :self.capacity] = 0
+        self.used[slot] = 0
+
     def move(self, src: int, dst: int) -> None:
         """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
         if src == dst:
@@ -229,29 +234,41 @@ class PortableLM(ArtifactRunner):
                                              -1) for x in a]) for b in range(n)]
         return logits[:, 0], attn
 
-    def extend(self, kv: KVBuffers, slot: int, tokens) -> np.ndarray:
+    def extend(self, kv: KVBuffers, slot: int, tokens, rope_length: int | None = None
+               ) -> np.ndarray:
         """Feed a chunk of T tokens to one slot through the decode graph (chunked prefill of a
         long prompt or a long Score input): the slot's rows so far are the past, the chunk's
-        K/V rows are written after them. Returns the chunk's logits (T, V)."""
+        K/V rows are written after them. Returns the chunk's logits (T, V).
+
+        ``rope_length``: choose the RoPE factors as for a sequence of that many tokens (LongRoPE
+        decides per row from the largest position id in the call, masked columns included): a
+        masked probe column at position ``rope_length - 1`` follows the chunk, and its outputs
+        are dropped (``kvserve.artifact.longrope``)."""
         T = len(tokens)
         start = int(kv.used[slot])
         kv.ensure_capacity(start + T + 1)
         C = kv.capacity
         positions = start + np.arange(T, dtype=np.int64)  # a slot's rows are all real tokens
-        mask = np.concatenate([kv.mask[slot:slot + 1, :C], np.ones((1, T), np.int64)], 1)
-        feeds = {"input_ids": np.asarray(tokens, np.int64)[None],
-                 "attention_mask": mask,  # (1, C + T)
+        new_mask = np.ones((1, T), np.int64)
+        ids = np.asarray(tokens, np.int64)
+        if rope_length is not None and rope_length > start + T:
+            positions = np.append(positions, rope_length - 1)
+            new_mask = np.append(new_mask, [[0]], 1)
+            ids = np.append(ids, self.cfg.pad_token_id or 0)
+        mask = np.concatenate([kv.mask[slot:slot + 1, :C], new_mask], 1)
+        feeds = {"input_ids": ids[None],
+                 "attention_mask": mask,  # (1, C + T [+ 1])
                  "position_ids": positions[None]}
         for i in range(self.cfg.n_layers):
             feeds[self.past_names[2 * i]] = kv.k[i][slot:slot + 1]  # (1, Hkv, C, D), no copy
             feeds[self.past_names[2 * i + 1]] = kv.v[i][slot:slot + 1]
         outs = self.sessions["decode"].run(None, feeds)
         for i in range(self.cfg.n_layers):
-            kv.k[i][slot, :, start:start + T] = outs[1 + 2 * i][0]  # (Hkv, T, D)
-            kv.v[i][slot, :, start:start + T] = outs[2 + 2 * i][0]
+            kv.k[i][slot, :, start:start + T] = outs[1 + 2 * i][0, :, :T]  # (Hkv, T, D)
+            kv.v[i][slot, :, start:start + T] = outs[2 + 2 * i][0, :, :T]
         kv.mask[slot, start:start + T] = 1
         kv.used[slot] = start + T
-        return outs[0][0]  # (T, V)
+        return outs[0][0, :T]  # (T, V)
 
     def _bind_inputs(self, b, kv: KVBuffers, n: int, ids, pos) -> None:
         b.bind_cpu_input("input_ids", ids)

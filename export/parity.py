@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from kvserve.artifact.longrope import LongRopeSwitch
 from kvserve.model.generate import generate, left_pad
 from kvserve.model.transformer import Transformer
 
@@ -66,8 +67,12 @@ def measure(model: Transformer, lm, prompts: list[list[int]], steps: int = 64,
                      for b, p in enumerate(prompts) for layer, t in enumerate(t_out.attentions))
 
     d_decode, agree = 0.0, 0
+    longrope = LongRopeSwitch.of(model.cfg)  # rows crossing its limit: refilled, as torch does
     for step in range(steps):
         tokens = np.array([ref.tokens[b][step] for b in range(B)], dtype=np.int64)
+        if longrope is not None:
+            longrope.before_decode(lm, kv, B, lambda b: list(prompts[b]) + ref.tokens[b][:step],
+                                   chunk=64)
         logits, attn = lm.decode(kv, B, tokens, attention=attention and step < 4)
         for b in range(B):
             want = ref.logits[b][step + 1]

@@ -96,6 +96,15 @@ class ModelConfig:
         return self.positions == "rope" and (self.rope_layers is None or self.rope_layers[i])
 
     @property
+    def longrope_limit(self) -> int | None:
+        """LongRoPE's ``original_max_position_embeddings`` (a row with more tokens uses the long
+        factors, see ``kvserve.artifact.longrope``); None for every other model."""
+        rs = self.rope_scaling
+        if self.positions == "rope" and rs and rs.get("type") == "longrope":
+            return int(rs["original_max_position_embeddings"])
+        return None
+
+    @property
     def stop_ids(self) -> list[int]:
         """Every EOS id: ``eos_token_ids`` when given, else ``[eos_token_id]`` (or none)."""
         if self.eos_token_ids:

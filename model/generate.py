@@ -13,7 +13,7 @@ import torch
 
 from .cache import KVCache
 from .sampling import SamplingParams, make_rng, next_token
-from .transformer import ModelOutput, Transformer
+from .transformer import ModelOutput, Transformer, default_position_ids
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor,
@@ -46,6 +46,27 @@ def decode(model: Transformer, tokens: torch.Tensor, mask: torch.Tensor, cache: 
     return out
 
 
+@torch.no_grad()
+def refill_longrope(model: Transformer, hist: torch.Tensor, mask: torch.Tensor,
+                    cache: KVCache) -> None:
+    """LongRoPE: rows whose next token is the first past ``original_max_position_embeddings``
+    have their cached rows recomputed with the long factors, as transformers' ``generate``
+    recomputes a sequence there (``kvserve.artifact.longrope`` explains; the runtime does the
+    same with ``LongRopeSwitch``). hist: (B, P) the cached ids (left-padded); mask: (B, P)
+    their attention mask. A masked probe column at position ``limit`` selects the long
+    factors (the decision is per row, from its largest position id)."""
+    limit = model.cfg.longrope_limit
+    P = hist.shape[1]
+    for b in torch.nonzero(mask.sum(-1) == limit).flatten().tolist():
+        ids = torch.cat([hist[b:b + 1], hist.new_zeros(1, 1)], 1)  # (1, P + 1)
+        m = torch.cat([mask[b:b + 1], mask.new_zeros(1, 1)], 1)
+        pos = torch.cat([default_position_ids(mask[b:b + 1], P), torch.tensor([[limit]])], 1)
+        out = model(ids, m, position_ids=pos)
+        for layer, (k, v) in zip(cache.layers, out.present):  # (1, Hkv, P + 1, D)
+            layer.k[b, :, :P] = k[0, :, :P]
+            layer.v[b, :, :P] = v[0, :, :P]
+
+
 @dataclass
 class Generation:
     tokens: list[list[int]]  # generated ids per row (stops included when eos)
@@ -68,6 +89,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
     out_logits: list[list[np.ndarray]] = [[] for _ in range(B)]
     done = [False] * B
     logits = prefill(model, ids, mask, cache).logits[:, -1].float().numpy()  # (B, V)
+    longrope, hist = model.cfg.longrope_limit is not None, ids  # hist: the cached ids
     for step in range(max_new_tokens):
         nxt = []
         for b in range(B):
@@ -86,5 +108,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
             break
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=1)  # (B, P+1)
         tok = torch.tensor(nxt, dtype=torch.long).unsqueeze(1)  # (B, 1)
+        if longrope:
+            refill_longrope(model, hist, mask[:, :-1], cache)
+            hist = torch.cat([hist, tok], 1)
         logits = decode(model, tok, mask, cache).logits[:, -1].float().numpy()  # (B, V)
     return Generation(out_tokens, out_logits if keep_logits else [])

@@ -65,10 +65,11 @@ SUPPORTED: tuple[Support, ...] = (
     Support("Phi3ForCausalLM", "phi3", "phi3",
             "as Llama (no biases) with fused qkv_proj = attn.qkv and gate_up_proj = ffn.w_in, "
             "sliding_window on every layer, rope_scaling longrope/su (short/long factors, "
-            "original_max_position_embeddings, attention factor; the long factors apply to a "
-            "sequence once its last position is past original_max_position_embeddings; a "
-            "sequence that crosses it while decoding keeps its earlier keys rotated with the "
-            "short factors, where transformers' generate recomputes them)",
+            "original_max_position_embeddings, attention factor; short factors while a "
+            "sequence has at most original_max_position_embeddings tokens, long factors for "
+            "all of it once it has more: a sequence crossing it while decoding is recomputed "
+            "once there, as transformers' generate does; decided per request, as transformers "
+            "computes that sequence alone, where its batched generate decides over the batch)",
             "partial_rotary_factor != 1, everything refused for Llama"),
 )
 

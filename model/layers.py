@@ -109,9 +109,10 @@ def rope_cos_sin(positions: torch.Tensor, inv_freqs: list[torch.Tensor],
     """cos/sin for rotary embeddings in the rotate-half layout (Llama / HF convention).
 
     positions: (B, T) -> cos, sin: (B, 1, T, head_dim) float32, ready to broadcast over heads.
-    ``longrope`` (Phi-3) uses the long factors for a row whose last position is past
-    ``original_max_position_embeddings`` (as transformers does per call, here per row) and
-    scales cos/sin by its attention factor.
+    ``longrope`` (Phi-3) uses the long factors for a row whose largest position id in the call,
+    plus one, exceeds ``original_max_position_embeddings`` (as transformers does per call, here
+    per row) and scales cos/sin by its attention factor. Masked columns count: a caller asks
+    for the long factors with a masked probe column (``kvserve.artifact.longrope``).
     """
     inv = inv_freqs[0].to(positions.device)  # (D/2,)
     pos = positions.float().unsqueeze(-1)  # (B, T, 1)

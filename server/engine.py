@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from kvserve.artifact.longrope import LongRopeSwitch
 from kvserve.model.sampling import make_rng, next_token, token_logprobs
 
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
@@ -128,6 +129,7 @@ class Engine:
         self.request_time_limit = request_time_limit
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
+        self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
         self.active: list[_Seq] = []  # active[i] lives in KV slot i
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._jobs: list[_ScoreJob] = []
@@ -341,6 +343,10 @@ class Engine:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
         cap (through the decode graph with the slot's rows as the past). Returns the last
         row of logits (V,)."""
+        if self.longrope is not None:  # a prompt past its limit: long factors from row 0
+            last = self.longrope.extend(self.lm, self.kv, slot, ids, start, self.chunk_tokens)
+            if last is not None:
+                return last
         for a in range(start, len(ids), self.chunk_tokens):
             chunk = np.asarray(ids[a:a + self.chunk_tokens], np.int64)
             last = self.lm.extend(self.kv, slot, chunk)[-1]  # (T, V) -> (V,)
@@ -351,6 +357,8 @@ class Engine:
         n = len(self.active)
         attention = any(s.wants_attention and not s.forced for s in self.active)
         tokens = np.array([s.feed for s in self.active], np.int64)
+        if self.longrope is not None:  # a LongRoPE row crossing: recomputed first
+            self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens)
         t0 = time.monotonic()
         logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
         self.steps += 1
@@ -370,6 +378,11 @@ class Engine:
                         for h in seq.req.output.attention_heads]
             self._on_logits(seq, logits[i], rows,
                             argmax[i] if argmax is not None and self._plain_greedy(seq) else None)
+
+    def _tokens_of(self, slot: int) -> list[int]:
+        """The tokens of the sequence in ``slot`` so far (prompt, then generated)."""
+        seq = self.active[slot]
+        return [*seq.req.prompt_ids, *seq.generated]
 
     def _plain_greedy(self, seq: _Seq) -> bool:
         p, st = seq.req.sampling, seq.req.stopping

@@ -68,11 +68,15 @@ def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
         if T <= cap:
             continue
         kv = lm.new_cache(1, capacity=T + 1)  # private to this sequence
-        a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0])
-        yield
-        for start in range(cap, T - 1, cap):  # one chunk per loop turn
-            chunk = np.asarray(ids[start:min(start + cap, T - 1)], np.int64)
-            a.record(start, lm.extend(kv, 0, chunk))  # (t, V)
+        # LongRoPE past its limit: every chunk asks for the factors of the whole sequence
+        limit = lm.cfg.longrope_limit
+        kw = {"rope_length": T} if limit is not None and T > limit else {}
+        for start in range(0, T - 1, cap):  # one chunk per loop turn
+            chunk = ids[start:min(start + cap, T - 1)]
+            if start == 0 and not kw:
+                a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0])
+            else:
+                a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
             yield
     return [a.result() for a in acc]
 

@@ -182,9 +182,10 @@ def rope(hf: dict[str, Any], arch: str, head_dim: int) -> tuple[float, dict[str,
     if rtype == "llama3":
         return float(theta), {"type": "llama3", **{k: _pos(params, k, arch)
                                                    for k in sorted(_ROPE_KEYS["llama3"])}}
-    # longrope (Phi-3): the attention factor is resolved here as transformers does
-    orig = params.get("original_max_position_embeddings",
-                      hf.get("original_max_position_embeddings"))
+    # longrope (Phi-3): the attention factor is resolved here as transformers does; a top-level
+    # original_max_position_embeddings wins over rope_scaling's (standardize_rope_params)
+    orig = hf.get("original_max_position_embeddings")
+    orig = params.get("original_max_position_embeddings") if orig is None else orig
     if not isinstance(orig, int) or orig <= 1:
         raise refuse(arch, "original_max_position_embeddings", orig)
     factor = params.get("factor") or get_int(hf, "max_position_embeddings", arch) / orig

@@ -16,8 +16,15 @@ KEYS = {"phi3": LLAMA_KEYS | {"sliding_window", "original_max_position_embedding
                               "resid_pdrop", "embd_pdrop"}}
 
 
+# Phi3Config's default: transformers uses it (and overrides rope_scaling's value) when a
+# config.json has no top-level original_max_position_embeddings
+ORIGINAL_MAX_DEFAULT = 4096
+
+
 def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig:
     arch = s.architecture
+    if hf.get("original_max_position_embeddings") is None:
+        hf = {**hf, "original_max_position_embeddings": ORIGINAL_MAX_DEFAULT}
     n_layers = get_int(hf, "num_hidden_layers", arch)
     window, layers = layer_windows(hf, arch, n_layers, hf.get("sliding_window"),
                                    ["sliding_attention"] * n_layers)

@@ -19,12 +19,12 @@ pytest.importorskip("onnxscript")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from family_models import CASES, PORTABLE, SPIECE, build, save, sentencepiece_tokenizer  # noqa: E402
+from family_models import (CASES, PORTABLE, PROMPT, SPIECE, build, save,  # noqa: E402
+                           sentencepiece_tokenizer)
 from kvserve_testing import TRAIN_TEXTS, running_app  # noqa: E402
 
-PROMPT = [11, 40, 7, 93, 150, 21, 64, 33, 12, 200, 17, 81]  # 12 tokens: past every window
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3_longrope",
-            "smollm3"]
+            "smollm3", "phi3", "smollm2"]
 
 
 @dataclass
@@ -38,15 +38,6 @@ class Served:
     eos_prefix: dict[int, int]  # eos id -> a prefix length of PROMPT after which it is greedy
     stub: object
     tokenizer_json: str
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' own cached greedy generate: n tokens and the logits of each step."""
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, output_logits=True,
-                      return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.logits]
 
 
 @torch.no_grad()

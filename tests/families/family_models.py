@@ -17,6 +17,7 @@ import torch
 VOCAB = 320
 SEED = 4321
 WINDOW = 6  # sliding windows: prompts are up to 12 tokens and decoding runs 64 steps past them
+ORIG_MAX = 20  # phi3_longrope's original_max_position_embeddings: crossed while decoding
 SPIECE = ("mistral", "gemma", "gemma2", "phi3", "phi3_longrope")  # SentencePiece tokenizers
 # exported portable (the others fused): LongRoPE, and Gemma's head_dim 12 (not a multiple of 16)
 PORTABLE = ("gemma", "phi3_longrope", "phi3_longrope_short")
@@ -50,14 +51,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                               query_pre_attn_scalar=20, attn_logit_softcapping=5.0,
                               final_logit_softcapping=3.0)),
     "phi3": ("Phi3", dict(**_FUSED, sliding_window=WINDOW * 2)),
-    # LongRoPE: every test sequence (3+ tokens) is past original_max_position_embeddings, so
-    # the long factors apply throughout (see README: a sequence crossing it while decoding is
-    # recomputed by transformers' generate and not by kvserve)
+    # LongRoPE: the prompts (3 to 12 tokens) are short, and every row crosses
+    # original_max_position_embeddings (ORIG_MAX) while decoding, each at its own step;
+    # Score's long sequence is long from the start
     "phi3_longrope": ("Phi3", dict(**{**_LLAMA, "num_key_value_heads": 6},
-                                   sliding_window=WINDOW, original_max_position_embeddings=2,
+                                   sliding_window=WINDOW,
+                                   original_max_position_embeddings=ORIG_MAX,
                                    rope_parameters=dict(rope_type="longrope",
                                                         rope_theta=10000.0,
-                                                        original_max_position_embeddings=2,
+                                                        original_max_position_embeddings=ORIG_MAX,
                                                         short_factor=[1.0, 1.0, 1.5, 2.0],
                                                         long_factor=_LONG))),
     # ... and one whose sequences stay below it (the short factors)
@@ -69,6 +71,18 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                                               short_factor=[1.0, 1.0, 1.5, 2.0],
                                                               long_factor=_LONG))),
 }
+
+
+PROMPT = [11, 40, 7, 93, 150, 21, 64, 33, 12, 200, 17, 81]  # 12 tokens: past every window
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' own cached greedy generate: n tokens and the logits of each step."""
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, output_logits=True,
+                      return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0] for s in out.logits]
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:

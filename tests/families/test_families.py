@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROMPT, hf_greedy  # noqa: I001
+from family_models import PROMPT, hf_greedy  # noqa: I001
 from kvserve.model.config import ModelConfig
 from kvserve.v1 import inference_pb2 as pb
 from kvserve_testing import collect, gen_request
@@ -51,8 +51,10 @@ def test_served_prefill_and_64_decode_steps_match_transformers(served):
     batch of prompts of different lengths, teacher-forced with transformers' greedy tokens;
     the reference is transformers' cached generate per row."""
     from kvserve.artifact.loader import load_lm
+    from kvserve.artifact.longrope import LongRopeSwitch
 
     lm = load_lm(served.artifact, provider="cpu", threads=1, attention=False)
+    longrope = LongRopeSwitch.of(lm.cfg)  # phi3_longrope: each row crosses at its own step
     refs = [hf_greedy(served.hf, p, 65) for p in PROMPTS]
     kv = lm.new_cache(len(PROMPTS))
     pre = lm.prefill(kv, 0, PROMPTS)
@@ -63,10 +65,59 @@ def test_served_prefill_and_64_decode_steps_match_transformers(served):
         worst = max(worst, float(np.abs(pre.logits[b] - want).max()))
     for step in range(64):
         tokens = np.array([r[0][step] for r in refs], np.int64)
+        if longrope is not None:  # as the engine does before each decode step
+            longrope.before_decode(lm, kv, len(PROMPTS),
+                                   lambda b: PROMPTS[b] + refs[b][0][:step], chunk=8)
         logits, _ = lm.decode(kv, len(PROMPTS), tokens)
         for b, r in enumerate(refs):
             worst = max(worst, float(np.abs(logits[b] - r[1][step + 1].numpy()).max()))
     assert worst <= TOL, f"{served.name}: max |Δlogit| {worst:.3g}"
+
+
+def test_longrope_rows_crossing_in_the_engine_match_transformers_alone(served):
+    """Phi-3 LongRoPE through the engine (chunks of 8 tokens): a left-padded batch of short
+    prompts whose rows pass original_max_position_embeddings at different decode steps (each
+    refilled there with the long factors) plus a prompt already past it (chunked prefill, long
+    from its first chunk): every row's tokens and raw logits equal transformers' generate of
+    that row alone; a chunked Score past the limit equals transformers' forward."""
+    from kvserve.artifact.loader import load_lm
+    from kvserve.model.sampling import SamplingParams
+    from kvserve.server.detok import TokenBytes
+    from kvserve.server.domain import (GenerateRequest, OutputParams, ScoreRequest,
+                                       StopParams, TokenEvent)
+    from kvserve.server.engine import Engine
+
+    lm = load_lm(served.artifact, provider="cpu", threads=1, attention=False)
+    limit = lm.cfg.longrope_limit
+    if limit is None:
+        pytest.skip("not a LongRoPE model")
+    long = (PROMPT * 2)[:limit + 1]  # its last chunk is long, the window reaches before it
+    prompts, steps = [*PROMPTS, long], [64, 64, 64, 8]
+    assert all(len(p) < limit < len(p) + 64 for p in PROMPTS)  # every short row crosses
+    V = lm.cfg.vocab_size
+    engine = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
+                    score_chunk_floats=8 * V, eos_id=None)
+    engine.start()
+    try:
+        handles = engine.submit_many([GenerateRequest(
+            list(p), SamplingParams(), StopParams(max_new_tokens=n, ignore_eos=True),
+            OutputParams(return_logits=True)) for p, n in zip(prompts, steps)])
+        worst = 0.0
+        for p, n, h in zip(prompts, steps, handles):
+            events = [e for e in h if isinstance(e, TokenEvent)]
+            toks, logits = hf_greedy(served.hf, p, n)
+            assert [e.token_id for e in events] == toks
+            worst = max(worst, max(float(np.abs(e.logits - r.numpy()).max())
+                                   for e, r in zip(events, logits)))
+        _, fut = engine.submit_score(ScoreRequest([long]))
+        got = fut.result(timeout=60)[0].logprobs
+    finally:
+        engine.stop()
+    assert worst <= TOL, f"max |Δlogit| {worst:.3g}"
+    with torch.no_grad():
+        lp = torch.log_softmax(served.hf(torch.tensor([long])).logits[0], -1).numpy()
+    np.testing.assert_allclose(got, lp[np.arange(len(long) - 1), long[1:]], rtol=TOL,
+                               atol=1e-6)
 
 
 def test_greedy_generate_equals_transformers(served):

@@ -1,13 +1,13 @@
-"""Every family case (also those not served in test_families: Phi-3 without LongRoPE, SmolLM2)
-imported and run in torch against transformers: left-padded prefill and 40 cached greedy decode
-steps past the sliding windows. Cheap (no export); the served checks are in test_families."""
+"""Every family case (also phi3_longrope_short, not served in test_families) imported and run
+in torch against transformers: left-padded prefill and 40 cached greedy decode steps past the
+sliding windows (phi3_longrope: past its original_max_position_embeddings). Cheap (no export);
+the served checks are in test_families."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import PROMPT, hf_greedy
-from family_models import CASES, build, save
+from family_models import CASES, PROMPT, build, hf_greedy, save
 from kvserve.model.checkpoint import load_model
 from kvserve.model.generate import generate
 from kvserve.model.hf_import import import_hf

@@ -232,6 +232,19 @@ def test_base_configs_map():
     assert map_config({**GPT2_CFG, "activation_function": "gelu"}).ffn == "gelu"
 
 
+def test_longrope_limit_is_the_top_level_one_as_transformers_has_it():
+    """transformers' Phi3Config gives a top-level original_max_position_embeddings priority over
+    rope_scaling's, and defaults it to 4096 (measured: Phi3Config(...).rope_parameters)."""
+    rp = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 20,
+          "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = {**LLAMA_CFG, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+            "max_position_embeddings": 8192, "rope_parameters": rp}
+    assert map_config({**phi3, "original_max_position_embeddings": 32}).longrope_limit == 32
+    assert map_config(phi3).longrope_limit == 4096
+    llama = {**LLAMA_CFG, "rope_parameters": rp}
+    assert map_config(llama).longrope_limit == 20
+
+
 @pytest.mark.parametrize("cfg, pattern", [
     ({**LLAMA_CFG, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({**LLAMA_CFG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
