@@ -109,7 +109,8 @@ class App:
                              max_queue=self.cfg.max_queue,
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
                              request_time_limit=self.cfg.request_time_limit,
-                             metrics=self.metrics, eos_ids=tuple(self.eos_ids))
+                             metrics=self.metrics, eos_ids=tuple(self.eos_ids),
+                             stream_interval=self.cfg.stream_interval_ms / 1000)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__,
                                                    eos_ids=self.eos_ids,

@@ -38,6 +38,9 @@ class ServerConfig:
                             "off: they sleep, which leaves shared or busy cores to others)")
     tf32: bool = _opt(False, "CUDA: let fp32 matmuls use TF32 (faster; logits then differ from "
                              "the CPU provider by ~1e-3 instead of ~1e-6)")
+    stream_interval_ms: float = _opt(5.0, "a streaming caller is woken at most once per this "
+                                          "many ms (tokens ready together arrive together; "
+                                          "first token and end at once; 0 = every token)")
     max_batch: int = _opt(8, "sequences decoded together in one step",
                           limit="not an error: further requests wait in the queue")
     max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED",
@@ -148,6 +151,7 @@ class ServerConfig:
         need(self.max_repetition_penalty >= 1, "max_repetition_penalty must be >= 1")
         need(self.max_abs_penalty >= 0, "max_abs_penalty must be >= 0")
         need(self.request_time_limit >= 0, "request_time_limit must be >= 0")
+        need(0 <= self.stream_interval_ms <= 1000, "stream_interval_ms must be in [0, 1000]")
         need(self.drain_grace >= 0, "drain_grace must be >= 0")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
         need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "

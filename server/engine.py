@@ -24,7 +24,6 @@ import collections
 import concurrent.futures
 import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from kvserve.model.sampling import make_rng, next_token, token_logprobs
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import (FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest,
                      Timings, TokenEvent, Unavailable)
+from .events import EventChannel
 from .scoring import score_steps
 from .stopping import banned_ids, check_stop
 
@@ -65,8 +65,9 @@ class Handle:
 
     def __init__(self, engine: "Engine", request_id: str, events=None):
         self.request_id = request_id
-        # anything with put(event) from the engine thread (the HTTP API's asyncio bridge)
-        self.events = queue.SimpleQueue() if events is None else events
+        # an EventChannel, or anything with put(event) from the engine thread (the HTTP API's
+        # asyncio bridge)
+        self.events = EventChannel() if events is None else events
         self._engine = engine
         self.cancelled = False
 
@@ -117,7 +118,7 @@ class _ScoreJob:
 class Engine:
     def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
-                 metrics=None, eos_ids: Sequence[int] = ()):
+                 metrics=None, eos_ids: Sequence[int] = (), stream_interval: float = 0.0):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -127,6 +128,11 @@ class Engine:
         # every id that ends a sequence (Llama 3's generation config lists three)
         self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
         self.request_time_limit = request_time_limit
+        # a caller is woken at most once per stream_interval seconds (0: for every token), and
+        # at once for its first token and its end (server/events.py)
+        self.stream_interval = stream_interval
+        self._staged: list = []  # EventChannels (or alike) holding events back
+        self._woken = 0.0  # when the staged callers were last woken
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
@@ -139,7 +145,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
         self.steps = 0
-        self._running = 0  # the running gauge's last value
+        self._running = self._queued = 0  # the running and queue gauges' last values
         # tools (profilers, tracers): called as hook(run) around each loop iteration, where
         # run() is the iteration itself; set before start() or between requests
         self.iteration_hook: Callable[[Callable[[], None]], None] | None = None
@@ -186,7 +192,8 @@ class Engine:
                 raise QueueFull(f"the server is at capacity ({self.max_queue} requests "
                                 f"queued); retry later")
             self._waiting.append(seq)
-            self.metrics.queue_depth(len(self._waiting))
+            self._queued = len(self._waiting)
+            self.metrics.queue_depth(self._queued)
             self._cond.notify_all()
         return h
 
@@ -228,8 +235,9 @@ class Engine:
                 if self._stop:
                     break
                 admit = self._take_admissions()
-                if admit or self._waiting:
-                    self.metrics.queue_depth(len(self._waiting))
+                if self._queued != len(self._waiting):
+                    self._queued = len(self._waiting)
+                    self.metrics.queue_depth(self._queued)
             try:
                 if self.iteration_hook is None:
                     self._iteration(admit)
@@ -281,15 +289,19 @@ class Engine:
 
     def _iteration(self, admit: list[_Seq]) -> None:
         if admit:
+            self._wake_staged()  # before a prefill that may take a while
             self._admit(admit)
         self._retire_dead()
         if self.active:
             self._decode_step()
         self._retire_done()
+        if self._staged and time.monotonic() - self._woken >= self.stream_interval:
+            self._wake_staged()
         if admit or self._running != len(self.active):
             self._running = len(self.active)
             self.metrics.running(self._running)
         if self._jobs:
+            self._wake_staged()
             self._advance_jobs()
 
     # --- admission -----------------------------------------------------------------------------
@@ -439,7 +451,21 @@ class Engine:
             seq.first_token = now
         seq.last_token = now
         seq.text.append(ev.text)
-        seq.handle.events.put(ev)
+        box = seq.handle.events  # an EventChannel, or another object with stage/wake/put
+        if first or not self.stream_interval or not hasattr(box, "stage"):
+            box.put(ev)
+        else:
+            box.stage(ev)
+            if not box.staged:
+                box.staged = True
+                self._staged.append(box)
+
+    def _wake_staged(self) -> None:
+        for box in self._staged:
+            if box.staged:
+                box.wake()
+        self._staged.clear()
+        self._woken = time.monotonic()
 
     # --- leaving -------------------------------------------------------------------------------
     def _finish(self, seq: _Seq, reason: FinishReason, stop_sequence: str = "",

@@ -36,16 +36,35 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contr
 
 
 class _Sink:
-    """The engine thread's ``put(event)`` -> an asyncio queue of (choice index, event)."""
+    """The engine thread's events -> an asyncio queue of (choice index, event). As
+    ``server.events.EventChannel``: ``stage`` holds an event back, ``wake`` hands over what is
+    held in one call into the loop (the engine wakes a caller at most once per stream
+    interval), ``put`` is both."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int):
         self.loop, self.q, self.index = loop, q, index
+        self.held: list = []
+        self.staged = False
+
+    def stage(self, ev) -> None:
+        self.held.append((self.index, ev))
+
+    def wake(self) -> None:
+        self.staged = False
+        held, self.held = self.held, []
+        if held:
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, held)
+            except RuntimeError:  # the loop is closed (server stopped): nobody is listening
+                pass
+
+    def _deliver(self, held: list) -> None:
+        for item in held:
+            self.q.put_nowait(item)
 
     def put(self, ev) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.q.put_nowait, (self.index, ev))
-        except RuntimeError:  # the loop is closed (server stopped): nobody is listening
-            pass
+        self.stage(ev)
+        self.wake()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

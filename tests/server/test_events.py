@@ -1,0 +1,105 @@
+"""server/events.py: the engine hands events over without waking the caller, and wakes it at
+most once per stream interval (first token and end at once); nothing is lost or reordered."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+from fake_lm import FakeLM
+from test_engine_fake import _collect, _req, _token_bytes
+
+from kvserve.server.domain import FinishEvent, TokenEvent
+from kvserve.server.engine import Engine
+from kvserve.server.events import EventChannel
+
+
+def test_channel_get_put_stage_wake():
+    ch = EventChannel()
+    with pytest.raises(queue.Empty):
+        ch.get_nowait()
+    with pytest.raises(queue.Empty):
+        ch.get(timeout=0.01)
+    ch.stage(1)
+    assert ch.get_nowait() == 1  # staged events are there for a caller that looks
+    ch.put(2)
+    assert ch.get(timeout=1) == 2 and ch.empty()
+
+
+def test_a_blocked_caller_sleeps_through_stage_and_wakes_on_wake():
+    ch = EventChannel()
+    got, t = [], {}
+
+    def consumer():
+        got.append(ch.get(timeout=5))
+        t["woke"] = time.monotonic()
+
+    th = threading.Thread(target=consumer)
+    th.start()
+    time.sleep(0.05)
+    ch.stage("a")
+    time.sleep(0.1)
+    woke_at = time.monotonic()
+    ch.wake()
+    th.join(5)
+    assert got == ["a"]
+    assert t["woke"] >= woke_at  # blocked since before the stage: only wake() woke it
+
+
+def test_no_event_is_lost_between_producer_and_consumer():
+    ch, n = EventChannel(), 20_000
+    out: list[int] = []
+
+    def consumer():
+        while len(out) < n:
+            out.append(ch.get(timeout=5))
+
+    th = threading.Thread(target=consumer)
+    th.start()
+    for i in range(n):
+        (ch.put if i % 7 == 0 else ch.stage)(i)
+        if i % 50 == 49:
+            ch.wake()
+    ch.wake()
+    th.join(10)
+    assert out == list(range(n))
+
+
+class _Counting(EventChannel):
+    """Counts the wake-ups the engine gives one caller."""
+    __slots__ = ("wakes",)
+
+    def __init__(self):
+        super().__init__()
+        self.wakes = 0
+
+    def wake(self):
+        self.wakes += 1
+        super().wake()
+
+
+@pytest.mark.parametrize("interval", [0.0, 0.05])
+def test_engine_wakes_a_caller_at_most_once_per_interval(interval):
+    lm = FakeLM(64, step_delay=0.002)  # ~25 steps per 50 ms interval
+    engine = Engine(lm, _token_bytes(), max_batch=2, max_queue=4, score_chunk_floats=64 * 64,
+                    eos_id=None, stream_interval=interval)
+    engine.start()
+    try:
+        box = _Counting()
+        t0 = time.monotonic()
+        h = engine.submit(_req([3], 60), events=box)
+        first = box.get(timeout=5)
+        assert isinstance(first, TokenEvent) and first.index == 0
+        assert time.monotonic() - t0 < 1.0  # the first token is not held back
+        toks, fin = _collect(h)
+        toks = [first.token_id] + toks
+        assert toks == lm.reference([3], 60) and isinstance(fin, FinishEvent)
+        seconds = time.monotonic() - t0
+        if interval:
+            # first token, end, and at most one per interval in between
+            assert box.wakes <= 2 + seconds / interval + 1, (box.wakes, seconds)
+        else:
+            assert box.wakes == 61  # every token and the end
+    finally:
+        engine.stop()
