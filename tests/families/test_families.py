@@ -74,12 +74,13 @@ def test_served_prefill_and_64_decode_steps_match_transformers(served):
     assert worst <= TOL, f"{served.name}: max |Δlogit| {worst:.3g}"
 
 
-def test_longrope_rows_crossing_in_the_engine_match_transformers_alone(served):
-    """Phi-3 LongRoPE through the engine (chunks of 8 tokens): a left-padded batch of short
-    prompts whose rows pass original_max_position_embeddings at different decode steps (each
-    refilled there with the long factors) plus a prompt already past it (chunked prefill, long
-    from its first chunk): every row's tokens and raw logits equal transformers' generate of
-    that row alone; a chunked Score past the limit equals transformers' forward."""
+def test_engine_rows_and_chunked_prefill_match_transformers_alone(served):
+    """Each family through the engine (chunks of 8 tokens): a batch of short prompts decoded
+    64 steps plus a 21-token prompt prefilled in chunks (sliding windows reach back across
+    chunks): every row's tokens and raw logits equal transformers' generate of that row alone,
+    and a chunked Score of the long prompt equals transformers' forward. Phi-3 LongRoPE (limit
+    20): the short rows pass original_max_position_embeddings at different steps (each
+    refilled there with the long factors) and the long prompt is long from its first chunk."""
     from kvserve.artifact.loader import load_lm
     from kvserve.model.sampling import SamplingParams
     from kvserve.server.detok import TokenBytes
@@ -89,11 +90,11 @@ def test_longrope_rows_crossing_in_the_engine_match_transformers_alone(served):
 
     lm = load_lm(served.artifact, provider="cpu", threads=1, attention=False)
     limit = lm.cfg.longrope_limit
-    if limit is None:
-        pytest.skip("not a LongRoPE model")
-    long = (PROMPT * 2)[:limit + 1]  # its last chunk is long, the window reaches before it
+    long = (PROMPT * 2)[:21]  # three chunks of 8; LongRoPE: past its limit of 20
     prompts, steps = [*PROMPTS, long], [64, 64, 64, 8]
-    assert all(len(p) < limit < len(p) + 64 for p in PROMPTS)  # every short row crosses
+    if limit is not None:
+        assert len(long) == limit + 1
+        assert all(len(p) < limit < len(p) + 64 for p in PROMPTS)  # every short row crosses
     V = lm.cfg.vocab_size
     engine = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
                     score_chunk_floats=8 * V, eos_id=None)
