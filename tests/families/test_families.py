@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 
 from family_models import PROMPT, hf_greedy  # noqa: I001
