@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where built models live (reused by later runs)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
+    parser.add_argument("--passes", type=int, default=None,
+                        help="run every runner this many times, in alternating order, and keep "
+                             "each cell's best (default: 2, --quick: 1): the machine's speed "
+                             "drifts, and runners measured one after another take the drift "
+                             "into their ratios")
     parser.add_argument("--render-only", action="store_true",
                         help="no measurement: print the tables of existing results (with "
                              "--update-committed: rebuild bench/results/README-table.md and "
@@ -156,10 +161,33 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
             time.sleep(5)
 
 
+def _run_one(name: str, runner: str, spec: dict, paths: dict, built, args) -> dict:
+    """One pass of one runner, in its own process."""
+    from .runners import run_in_subprocess
+
+    full = {**paths, **spec, "runner": "engine" if runner == "engine_int8" else runner}
+    if runner == "engine_int8":
+        full["artifact"] = str(built.int8)
+    busy = wait_for_quiet(args.wait_load, args.wait_max)
+    load = loadavg()
+    t0 = time.perf_counter()
+    log.info("%s: %s (load %.2f, others %.2f cores)", name, runner, load, busy)
+    try:
+        res = run_in_subprocess(full)
+    except Exception as e:  # one runner failing must not lose the others
+        log.error("%s: %s failed: %s", name, runner, e)
+        res = {"error": str(e)[-2000:]}
+    res["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    res["load_before"], res["others_cores_before"] = load, busy
+    res["others_cores_after"] = others_cpu(1.0) if args.wait_load > 0 else None
+    log.info("%s: %s done in %.0fs", name, runner, res["wall_seconds"])
+    return res
+
+
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
+    from .merge import merge_passes
     from .roofline import bandwidth_in_subprocess, decode_graph, decode_weight_bytes
-    from .runners import run_in_subprocess
 
     cache = Path(args.cache)
     want = set(args.runners.split(",")) if args.runners else None
@@ -178,24 +206,13 @@ def run_size(name: str, args, results_dir: Path) -> dict:
                  genai=str(built.genai) if built.genai else None,
                  vocab=built.size.vocab, threads=args.threads,
                  workdir=str(cache / "tmp"))
-    for runner, spec in pl.items():
-        full = {**paths, **spec, "runner": "engine" if runner == "engine_int8" else runner}
-        if runner == "engine_int8":
-            full["artifact"] = str(built.int8)
-        busy = wait_for_quiet(args.wait_load, args.wait_max)
-        load = loadavg()
-        t0 = time.perf_counter()
-        log.info("%s: %s (load %.2f, others %.2f cores)", name, runner, load, busy)
-        try:
-            res = run_in_subprocess(full)
-        except Exception as e:  # one runner failing must not lose the others
-            log.error("%s: %s failed: %s", name, runner, e)
-            res = {"error": str(e)[-2000:]}
-        res["wall_seconds"] = round(time.perf_counter() - t0, 1)
-        res["load_before"], res["others_cores_before"] = load, busy
-        res["others_cores_after"] = others_cpu(1.0) if args.wait_load > 0 else None
-        out["runners"][runner] = res
-        log.info("%s: %s done in %.0fs", name, runner, res["wall_seconds"])
+    passes = args.passes or (1 if args.quick else 2)
+    out["meta"]["passes"] = passes
+    results: dict[str, list[dict]] = {r: [] for r in pl}
+    for k in range(passes):  # alternating order: each runner early in one pass, late in another
+        for runner in (list(pl) if k % 2 == 0 else list(pl)[::-1]):
+            results[runner].append(_run_one(name, runner, pl[runner], paths, built, args))
+    out["runners"] = {r: merge_passes(res) for r, res in results.items()}
     # roofline: bytes per decode step vs read bandwidth
     # measured per size, right after its runners; the roofline uses the best figure of the run
     # (a busy neighbour only ever lowers it)

@@ -197,6 +197,15 @@ def _why_concurrency(size: dict) -> str:
 
 
 # --- markdown ----------------------------------------------------------------------------------
+def _passes(meta: dict) -> str:
+    n = meta.get("passes", 1)
+    if n <= 1:
+        return ""
+    return (f", and the best of {n} passes over the runners in alternating order (each runner "
+            f"in its own process, each cell its best pass: this machine's speed drifts within "
+            f"minutes)")
+
+
 def render(results: dict[str, dict]) -> str:
     """The whole markdown section (also written to bench/results/README-table.md)."""
     metas = [s.get("meta", {}) for s in results.values()]
@@ -214,8 +223,8 @@ def render(results: dict[str, dict]) -> str:
                   f"Random-init Llama weights (seed {meta.get('seed')}), the same weights for "
                   f"every runner (greedy outputs agree: {_agree(results)}). Greedy, 32-token "
                   f"prompt; tok/s = batch × new tokens / wall time of the whole call "
-                  f"(prefill included), best of N after a warm-up; 2 intra-op threads "
-                  f"everywhere.", ""]
+                  f"(prefill included), best of N after a warm-up"
+                  f"{_passes(meta)}; 2 intra-op threads everywhere.", ""]
     for key, size in results.items():
         lines += _size_tables(key, size)
     lines += ["### Targets", "", "| target | ratio | goal | status | figures | why (when missed) |",

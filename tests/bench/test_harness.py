@@ -188,3 +188,33 @@ def test_decode_cost_out_and_update_committed_exclude_each_other(capsys):
         main(["--out", "x.json", "--update-committed"])
     assert e.value.code == 2
     assert "--out and --update-committed exclude each other" in capsys.readouterr().err
+
+
+def test_passes_merge_to_each_cells_best():
+    from kvserve.bench.merge import merge_passes
+
+    slow = {"runner": "engine", "runtime": "fused", "rss_peak_mb": 200.0,
+            "decode": {"1x128": {"seconds": 0.08, "tok_s": 1600.0},
+                       "8x128": {"seconds": 0.10, "tok_s": 10240.0}},
+            "ttft_ms": {"32": 2.5, "512": 30.0}, "step_ms": {"16": 0.5, "1000": 0.6},
+            "itl_ms": {"p50": 0.5, "p99": 0.6, "mean": 0.5, "n": 127},
+            "score": {"seconds": 0.2, "tok_s": 10000.0, "logprob_sum": -5.0},
+            "grpc": {"single_tok_s": 1000.0, "single_seconds": 0.128,
+                     "server_rss_peak_mb": 150.0}}
+    fast = {"runner": "engine", "runtime": "fused", "rss_peak_mb": 210.0,
+            "decode": {"1x128": {"seconds": 0.05, "tok_s": 2560.0},
+                       "8x128": {"seconds": 0.125, "tok_s": 8192.0}},
+            "ttft_ms": {"32": 2.0, "512": 35.0}, "step_ms": {"16": 0.4, "1000": 0.7},
+            "itl_ms": {"p50": 0.4, "p99": 0.9, "mean": 0.45, "n": 127},
+            "score": {"seconds": 0.25, "tok_s": 8000.0, "logprob_sum": -5.0},
+            "grpc": {"single_tok_s": 1200.0, "single_seconds": 0.107,
+                     "server_rss_peak_mb": 140.0}}
+    m = merge_passes([slow, {"error": "boom"}, fast])
+    assert m["passes"] == 3
+    assert m["decode"]["1x128"] == fast["decode"]["1x128"]  # whole cells, the faster pass
+    assert m["decode"]["8x128"] == slow["decode"]["8x128"]
+    assert m["ttft_ms"] == {"32": 2.0, "512": 30.0} and m["step_ms"] == {"16": 0.4, "1000": 0.6}
+    assert m["itl_ms"] == fast["itl_ms"] and m["score"] == slow["score"]
+    assert m["grpc"]["single_tok_s"] == 1200.0 and m["grpc"]["single_seconds"] == 0.107
+    assert m["grpc"]["server_rss_peak_mb"] == 150.0 and m["rss_peak_mb"] == 210.0  # worst
+    assert merge_passes([{"error": "a"}, {"error": "b"}])["error"] == "a"
