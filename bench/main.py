@@ -27,6 +27,13 @@ from .common import CACHE, README, RESULTS, loadavg, machine, versions
 log = logging.getLogger(__name__)
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="6M model only, fewer tokens (development)")
@@ -48,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where built models live (reused by later runs)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
-    parser.add_argument("--passes", type=int, default=None,
+    parser.add_argument("--passes", type=_at_least_one, default=None,
                         help="run every runner this many times, in alternating order, and keep "
                              "each cell's best (default: 2, --quick: 1): the machine's speed "
                              "drifts, and runners measured one after another take the drift "

@@ -249,6 +249,8 @@ class Engine:
                     if not seq.done:
                         self._finish(seq, FinishReason.ERROR, error="internal error")
                 self.active = []
+                self._running = 0
+                self.metrics.running(0)
                 self.kv = self.lm.new_cache(self.max_batch)
                 for job in self._jobs:
                     if not job.future.done():
@@ -259,6 +261,8 @@ class Engine:
         with self._cond:
             rest = list(self._waiting) + self.active
             self._waiting.clear()
+            self._queued = 0
+            self.metrics.queue_depth(0)
             jobs, self._jobs = self._jobs, []
         for seq in rest:
             if not seq.done:
@@ -370,6 +374,8 @@ class Engine:
         attention = any(s.wants_attention and not s.forced for s in self.active)
         tokens = np.array([s.feed for s in self.active], np.int64)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first
+            if self._staged and self.longrope.crossing(self.kv.used[:n]).size:
+                self._wake_staged()  # before a refill that may take a while
             self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens)
         t0 = time.monotonic()
         logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
@@ -456,13 +462,13 @@ class Engine:
             box.put(ev)
         else:
             box.stage(ev)
-            if not box.staged:
+            if not getattr(box, "staged", False):
                 box.staged = True
                 self._staged.append(box)
 
     def _wake_staged(self) -> None:
         for box in self._staged:
-            if box.staged:
+            if getattr(box, "staged", False):
                 box.wake()
         self._staged.clear()
         self._woken = time.monotonic()

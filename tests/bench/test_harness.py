@@ -218,3 +218,16 @@ def test_passes_merge_to_each_cells_best():
     assert m["grpc"]["single_tok_s"] == 1200.0 and m["grpc"]["single_seconds"] == 0.107
     assert m["grpc"]["server_rss_peak_mb"] == 150.0 and m["rss_peak_mb"] == 210.0  # worst
     assert merge_passes([{"error": "a"}, {"error": "b"}])["error"] == "a"
+
+
+def test_passes_must_be_at_least_one():
+    import argparse
+
+    from kvserve.bench.main import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--passes", "3"]).passes == 3
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--passes", bad])

@@ -103,3 +103,37 @@ def test_engine_wakes_a_caller_at_most_once_per_interval(interval):
             assert box.wakes == 61  # every token and the end
     finally:
         engine.stop()
+
+
+def test_gauges_follow_a_failed_iteration_and_the_end():
+    """A decode step that raises fails the sequences in flight (ERROR) and the running gauge
+    drops to 0; at shutdown the queue gauge does too."""
+    class Gauges:
+        def __init__(self):
+            self.running_values, self.queue_values = [], []
+
+        def queue_depth(self, n): self.queue_values.append(n)
+        def running(self, n): self.running_values.append(n)
+        def admitted(self, *a): ...
+        def token(self, *a): ...
+        def finished(self, *a): ...
+        def step(self, *a): ...
+
+    class Failing(FakeLM):
+        def decode(self, cache, n, tokens, attention=False):
+            if self.calls["decode"] == 3:
+                self.calls["decode"] += 1
+                raise RuntimeError("boom")
+            return super().decode(cache, n, tokens, attention)
+
+    g = Gauges()
+    engine = Engine(Failing(64), _token_bytes(), max_batch=2, max_queue=4,
+                    score_chunk_floats=64 * 64, eos_id=None, metrics=g, stream_interval=0.05)
+    engine.start()
+    try:
+        _, fin = _collect(engine.submit(_req([3], 50)))
+        assert fin.reason.value == "error" and fin.error == "internal error"
+        assert 1 in g.running_values and g.running_values[-1] == 0
+    finally:
+        engine.stop()
+    assert g.queue_values[-1] == 0
