@@ -173,3 +173,23 @@ def test_longrope_stays_portable_with_a_reason(tmp_path, tokenizer_json):
     p = m["parity"]["fp32"]
     assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL
     assert p["greedy_tokens_equal"] is True
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int4"])
+def test_options_survive_the_precision_transforms(tmp_path, tokenizer_json, precision):
+    """Gemma 2's options (sandwich norms, (1 + w) gains, embed scale, softcaps, a window) in an
+    fp16 and an int4 artifact: still the fused graph, through the precision's own gate (fp16:
+    a logit bound; int4: the perplexity change)."""
+    from kvserve.export.precision import FP16_TOLERANCE
+
+    model = _model(_config(**OPTIONS["gemma2"]), 7)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, tokenizer_json=tokenizer_json)
+    art = export_artifacts(ckpt, tmp_path / "art", attention=False, progress=False,
+                           threads=THREADS, precision=precision)
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["kind"] == "fused" and m["precision"] == precision
+    q = m["parity"][precision]
+    worst = max(q["max_abs_logit_prefill"], q["max_abs_logit_decode"])
+    if precision == "fp16":
+        assert worst <= FP16_TOLERANCE and q["token_agreement"] >= 0.95
+    assert m["perplexity"]["relative_change"] <= 0.10
