@@ -101,8 +101,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
         e1, l1 = tok_s(size, "engine", "1x128"), tok_s(size, "loop", "1x128")
         out.append(_target(f"{key}: engine overhead ≤ 10% over the raw loop (engine ≥ 0.9× "
                            f"loop, batch 1, 128 new tokens)", _ratio(e1, l1), 0.9,
-                           "per-token work on the engine thread and the consumer's wake-up "
-                           "per token (see bench/results/profile.md)",
+                           "per-token work on the engine thread and the caller's wake-ups (at "
+                           "most one per --stream-interval-ms); runners measured in turn also "
+                           "carry this machine's drift (README, Serve: interleaved figures)",
                            f"{_fmt(e1)} vs {_fmt(l1)} tok/s"))
         grpc = _get(size, "runners", "grpc", "grpc") or {}
         if grpc.get("single_tok_s") is not None:
@@ -110,13 +111,15 @@ def targets(results: dict[str, dict]) -> list[dict]:
             g1, gb = tok_s(size, "genai", "1x128"), tok_s(size, "genai", f"{streams}x128")
             out.append(_target(f"{key}: gRPC one stream ≥ 0.9× onnxruntime-genai batch 1 "
                                f"(128 new tokens)", _ratio(grpc["single_tok_s"], g1), 0.9,
-                               "a gRPC message per token (coalesced when the reader lags) and "
-                               "the client process on the same 2 cores as the server",
+                               "Python gRPC per message (tokens coalesced per wake-up, "
+                               "--stream-interval-ms) and the client process on the same 2 "
+                               "cores as the server",
                                f"{_fmt(grpc['single_tok_s'])} vs {_fmt(g1)} tok/s"))
             out.append(_target(f"{key}: gRPC {streams} streams ≥ 0.9× onnxruntime-genai batch "
                                f"{streams}", _ratio(grpc.get("concurrent_tok_s"), gb), 0.9,
-                               f"{streams} client threads and their messages share the 2 "
-                               f"cores with the server's engine and onnxruntime threads",
+                               f"{streams} servicer threads, woken together each stream "
+                               f"interval, queue for the GIL with the engine thread, and "
+                               f"{streams} client threads share the same 2 cores",
                                f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(gb)} tok/s"))
         es = _get(size, "runners", "engine", "score", "tok_s")
         hs = _get(size, "runners", "hf", "score", "tok_s")
