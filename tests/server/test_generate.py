@@ -265,19 +265,18 @@ def test_request_id_is_echoed(stub):
     assert done.request_id == "client-req-42"
 
 
-def test_coalesced_stream_carries_every_token_once(stub, artifact):
-    """ResponseOptions.coalesce: a reader that lags gets the ready tokens in fewer messages
+def test_coalesced_stream_carries_every_token_once(app, stub, artifact):
+    """ResponseOptions.coalesce: tokens that are ready together (here: all but the first, held
+    back by a long stream interval until the end) come in fewer messages
     (GenerateResponse.more), the same tokens in the same order; without it, one per message."""
-    import time
-
     plain = list(stub.Generate(gen_request(PROMPTS[3], 48, logprobs=True)))
     assert all(len(m.more) == 0 for m in plain)
     want = [m.chunk for m in plain if m.HasField("chunk")]
-    msgs = []
-    for m in stub.Generate(gen_request(PROMPTS[3], 48, logprobs=True, coalesce=True)):
-        if not msgs:
-            time.sleep(0.5)  # the first message waits: the engine runs ahead
-        msgs.append(m)
+    before, app.engine.stream_interval = app.engine.stream_interval, 60.0
+    try:
+        msgs = list(stub.Generate(gen_request(PROMPTS[3], 48, logprobs=True, coalesce=True)))
+    finally:
+        app.engine.stream_interval = before
     got = [c for m in msgs if m.HasField("chunk") for c in (m.chunk, *m.more)]
     assert [(c.index, c.id, c.text) for c in got] == [(c.index, c.id, c.text) for c in want]
     assert [c.logprob for c in got] == pytest.approx([c.logprob for c in want], abs=1e-5)
