@@ -72,11 +72,15 @@ class LongRopeSwitch:
         return self.refill(lm, kv, slot, ids, chunk, length=len(ids))
 
     def before_decode(self, lm, kv, n: int, tokens_of: Callable[[int], Sequence[int]],
-                      chunk: int) -> list[int]:
+                      chunk: int, before_refill: Callable[[], None] | None = None
+                      ) -> list[int]:
         """Refill every slot of [0, n) that crosses at this step; ``tokens_of(slot)``: that
-        row's tokens so far (its cached ones first; asked only of a crossing slot). Returns
-        the slots refilled."""
+        row's tokens so far (its cached ones first; asked only of a crossing slot);
+        ``before_refill()``: called once before the first refill. Returns the slots
+        refilled."""
         slots = [int(i) for i in self.crossing(kv.used[:n])]
+        if slots and before_refill is not None:
+            before_refill()
         for i in slots:
             self.refill(lm, kv, i, list(tokens_of(i))[:int(kv.used[i])], chunk)
         return slots

@@ -65,8 +65,8 @@ class Handle:
 
     def __init__(self, engine: "Engine", request_id: str, events=None):
         self.request_id = request_id
-        # an EventChannel, or anything with put(event) from the engine thread (the HTTP API's
-        # asyncio bridge)
+        # an EventChannel, or anything with its put (and stage / wake, to be woken in batches)
+        # for the engine thread (the HTTP API's asyncio bridge)
         self.events = EventChannel() if events is None else events
         self._engine = engine
         self.cancelled = False
@@ -131,7 +131,7 @@ class Engine:
         # a caller is woken at most once per stream_interval seconds (0: for every token), and
         # at once for its first token and its end (server/events.py)
         self.stream_interval = stream_interval
-        self._staged: list = []  # EventChannels (or alike) holding events back
+        self._staged: set = set()  # the callers' channels holding events back
         self._woken = 0.0  # when the staged callers were last woken
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
@@ -373,18 +373,18 @@ class Engine:
         n = len(self.active)
         attention = any(s.wants_attention and not s.forced for s in self.active)
         tokens = np.array([s.feed for s in self.active], np.int64)
-        if self.longrope is not None:  # a LongRoPE row crossing: recomputed first
-            if self._staged and self.longrope.crossing(self.kv.used[:n]).size:
-                self._wake_staged()  # before a refill that may take a while
-            self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens)
+        if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
+            # events handed over before that refill, which may take a while)
+            self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens,
+                                        before_refill=self._wake_staged)
         t0 = time.monotonic()
         logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
         self.steps += 1
         self.metrics.step(n, time.monotonic() - t0)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token next_token would pick
-        argmax = logits[:n].argmax(axis=1).tolist() \
-            if any(self._plain_greedy(s) for s in self.active) else None
+        plain = [self._plain_greedy(s) for s in self.active]
+        argmax = logits[:n].argmax(axis=1).tolist() if any(plain) else None
         for i, seq in enumerate(self.active):
             if seq.forced:
                 seq.feed = seq.forced.popleft()
@@ -394,8 +394,7 @@ class Engine:
                 rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self._on_logits(seq, logits[i], rows,
-                            argmax[i] if argmax is not None and self._plain_greedy(seq) else None)
+            self._on_logits(seq, logits[i], rows, argmax[i] if plain[i] else None)
 
     def _tokens_of(self, slot: int) -> list[int]:
         """The tokens of the sequence in ``slot`` so far (prompt, then generated)."""
@@ -457,19 +456,16 @@ class Engine:
             seq.first_token = now
         seq.last_token = now
         seq.text.append(ev.text)
-        box = seq.handle.events  # an EventChannel, or another object with stage/wake/put
+        box = seq.handle.events
         if first or not self.stream_interval or not hasattr(box, "stage"):
-            box.put(ev)
+            box.put(ev)  # (a sink with put alone gets every event at once)
         else:
             box.stage(ev)
-            if not getattr(box, "staged", False):
-                box.staged = True
-                self._staged.append(box)
+            self._staged.add(box)
 
     def _wake_staged(self) -> None:
         for box in self._staged:
-            if getattr(box, "staged", False):
-                box.wake()
+            box.wake()
         self._staged.clear()
         self._woken = time.monotonic()
 
@@ -489,6 +485,7 @@ class Engine:
         log.info("request %s finished: %s, prompt %d, generated %d, queue %.3fs, ttft %.3fs, "
                  "total %.3fs", seq.handle.request_id, reason.value, ev.prompt_tokens,
                  ev.generated_tokens, t.queue, t.ttft, t.total)
+        self._staged.discard(seq.handle.events)  # the put hands over what it held back
         seq.handle.events.put(ev)
 
     def _retire_dead(self) -> None:

@@ -22,19 +22,17 @@ class EventChannel:
     """A single-consumer event queue (``get`` / ``get_nowait`` raise ``queue.Empty`` as
     ``queue.SimpleQueue``'s) whose producer decides when the consumer is woken."""
 
-    __slots__ = ("_items", "_ready", "staged")
+    __slots__ = ("_items", "_ready")
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
         self._ready = threading.Event()
-        self.staged = False  # the engine's mark: events wait for a wake()
 
     def stage(self, ev) -> None:
         """Hand ``ev`` over without waking the consumer (it sees it when it next looks)."""
         self._items.append(ev)
 
     def wake(self) -> None:
-        self.staged = False
         self._ready.set()
 
     def put(self, ev) -> None:

@@ -44,13 +44,11 @@ class _Sink:
     def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, index: int):
         self.loop, self.q, self.index = loop, q, index
         self.held: list = []
-        self.staged = False
 
     def stage(self, ev) -> None:
         self.held.append((self.index, ev))
 
     def wake(self) -> None:
-        self.staged = False
         held, self.held = self.held, []
         if held:
             try:

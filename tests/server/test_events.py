@@ -137,3 +137,27 @@ def test_gauges_follow_a_failed_iteration_and_the_end():
     finally:
         engine.stop()
     assert g.queue_values[-1] == 0
+
+
+def test_a_sink_with_put_alone_gets_every_event():
+    """A caller's own sink without stage / wake is handed each event at once (put)."""
+    class PutOnly:
+        def __init__(self):
+            self.events, self.done = [], threading.Event()
+
+        def put(self, ev):
+            self.events.append(ev)
+            if isinstance(ev, FinishEvent):
+                self.done.set()
+
+    lm = FakeLM(64)
+    engine = Engine(lm, _token_bytes(), max_batch=2, max_queue=4, score_chunk_floats=64 * 64,
+                    eos_id=None, stream_interval=0.05)
+    engine.start()
+    try:
+        sink = PutOnly()
+        engine.submit(_req([3], 20), events=sink)
+        assert sink.done.wait(5)
+        assert [e.token_id for e in sink.events[:-1]] == lm.reference([3], 20)
+    finally:
+        engine.stop()
