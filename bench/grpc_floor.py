@@ -36,6 +36,16 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
+def rss_peak_during(pid: int, call):
+    """Run ``call()``: (the peak RSS of process ``pid`` meanwhile over its RSS before, in
+    bytes; what ``call`` returned). The peak is VmHWM, first reset to VmRSS through
+    ``/proc/PID/clear_refs``. Also used by tests/hardening/test_wire.py on ``kvserve serve``."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status(pid)["VmRSS"]
+    out = call()
+    return _status(pid)["VmHWM"] - before, out
+
+
 def serve(port_file: str) -> None:
     def refuse(raw, context):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused {len(raw)} bytes")
@@ -61,16 +71,14 @@ def measure(size: int, calls: int, env: dict[str, str], tmp: Path) -> list[int]:
                                    options=[("grpc.max_send_message_length", 64 << 20)])
         call = ch.unary_unary(METHOD)
         data = b"\x01" * size
-        peaks = []
-        for i in range(calls + 1):
-            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-            before = _status(proc.pid)["VmRSS"]
+        def refused():
             try:
                 call(data, timeout=30)
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
-            if i:  # the first call sets up gRPC's own buffers
-                peaks.append(_status(proc.pid)["VmHWM"] - before)
+
+        refused()  # the first call sets up gRPC's own buffers
+        peaks = [rss_peak_during(proc.pid, refused)[0] for _ in range(calls)]
         ch.close()
         return peaks
     finally:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import re
 import statistics
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 
 from hardening_helpers import scrape, served
 
+from kvserve.bench.grpc_floor import rss_peak_during
 from kvserve.v1 import inference_pb2 as pb
 
 TOKEN = "wire-t0ken"
@@ -138,14 +138,6 @@ def test_credentials_are_checked_before_the_body_is_parsed(srv, name, creds):
 
 
 # --- memory and time per request ----------------------------------------------------------------
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out
-
-
 def _receive_limit(srv) -> int:
     m = re.search(r"max request (\d+) bytes", srv.log())
     assert m, srv.log()
@@ -194,12 +186,10 @@ def test_requests_at_the_size_limit_cost_about_their_size(srv):
         size = min(len(data), limit)  # gRPC holds no more than the limit of a bigger one
         peaks, times = [], []
         for _ in range(3):
-            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-            before = _status(pid)["VmRSS"]
             t0 = time.monotonic()
-            e = _refused(srv, rpc, data)
+            peak, e = rss_peak_during(pid, lambda: _refused(srv, rpc, data))
             times.append(time.monotonic() - t0)
-            peaks.append(_status(pid)["VmHWM"] - before)
+            peaks.append(peak)
             assert e.code() == code and part in e.details(), (name, e.code(), e.details())
         seconds = statistics.median(times)
         report.append(f"{name}: {len(data) / 1e6:.1f} MB, peak RSS +"
