@@ -1,5 +1,5 @@
-"""``kvserve bench``: build (or reuse) the benchmark models, run every runner in its own process,
-write ``<size>.json`` and ``README-table.md`` into a results directory, and print the tables.
+"""``kvserve bench``: build (or reuse) the benchmark models, load every runner in its own process
+and let them take turns cell by cell (``bench/turns.py``), write ``<size>.json`` and ``README-table.md`` into a results directory, and print the tables.
 
   kvserve bench                     full run (6M, 100M, small) into a new
                                     .bench/results/<UTC time>/ (nothing committed is touched)
@@ -54,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", default=str(CACHE),
                         help="where built models live (reused by later runs)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (best of)")
-    parser.add_argument("--passes", type=_at_least_one, default=None,
-                        help="run every runner this many times, in alternating order, and keep "
-                             "each cell's best (default: 2, --quick: 1): the machine's speed "
-                             "drifts, and runners measured one after another take the drift "
-                             "into their ratios")
+    parser.add_argument("--repeats", type=_at_least_one, default=None,
+                        help="rounds: how many turns each runner takes at each cell, keeping "
+                             "its best (default 2); the runners stay loaded side by side and "
+                             "take turns cell by cell, in alternating order, so the ones a "
+                             "cell compares are measured seconds apart (this machine's speed "
+                             "drifts within minutes)")
     parser.add_argument("--render-only", action="store_true",
                         help="no measurement: print the tables of existing results (with "
                              "--update-committed: rebuild bench/results/README-table.md and "
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-readme", action="store_true",
                         help="with --update-committed: results only, README.md untouched")
     parser.add_argument("--wait-load", type=float, default=0.0, metavar="CORES",
-                        help="before each runner, wait (at most --wait-max seconds) until "
+                        help="before each size's runners, wait (at most --wait-max seconds) until "
                              "other processes use less than CORES cores (0 = do not wait); "
                              "the 1-minute load average is recorded either way")
     parser.add_argument("--wait-max", type=float, default=900.0)
@@ -81,8 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # --- the plan ----------------------------------------------------------------------------------
 def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
-    """runner -> what it measures. Expensive peers run fewer cells on the 100M model."""
-    rep = repeats or (1 if quick else 2)
+    """runner -> what it measures (``repeats``: in how many rounds of turns it takes part).
+    Expensive peers run fewer cells on the 100M model. The gRPC runner's batch of B is B
+    concurrent streams."""
+    rep = repeats or 2
     if quick:
         base = dict(prompt_len=32, repeats=rep, batches=[1, 8],
                     decode=[[1, 128], [8, 128], [16, 128]], ttft=[32, 512], itl=128,
@@ -94,7 +96,7 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
                 "genai": dict(base),
                 "torch": {**slow, "score": [4, 64]},
                 "hf": {**slow, "score": [4, 64]},
-                "grpc": dict(prompt_len=32, repeats=1, streams=16, new_tokens=32)}
+                "grpc": dict(prompt_len=32, repeats=rep, decode=[[1, 128], [8, 128]])}
     full = [[b, n] for b in (1, 8, 16) for n in (128, 512)]
     base = dict(prompt_len=32, repeats=rep, batches=[1, 8, 16], decode=full, ttft=[32, 512],
                 itl=128, steps=[16, 256, 1000], step_count=16, step_batches=[16],
@@ -105,7 +107,7 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
         return {"engine": {**base, "score": [8, 256]}, "loop": dict(base),
                 "genai": dict(base), "torch": {**slow, "score": [8, 256]},
                 "hf": {**slow, "score": [8, 256]},
-                "grpc": dict(prompt_len=32, repeats=rep, streams=8, new_tokens=128)}
+                "grpc": dict(prompt_len=32, repeats=rep, decode=[[1, 128], [8, 128]])}
     if size == "bench-100m":
         slow = {**base, "decode": [[1, 128], [8, 128]], "batches": [1, 8], "steps": [],
                 "step_batches": [], "itl": 0, "ttft": [32], "repeats": 1}
@@ -115,7 +117,7 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
                                 "itl": 0},
                 "genai": dict(base), "torch": {**slow, "score": [4, 128]},
                 "hf": {**slow, "score": [8, 256]},
-                "grpc": dict(prompt_len=32, repeats=rep, streams=8, new_tokens=128)}
+                "grpc": dict(prompt_len=32, repeats=rep, decode=[[1, 128], [8, 128]])}
     # small preset: our engine against the reference runtime only
     small = {**base, "decode": [[1, 128], [8, 128], [16, 128]], "ttft": [32], "steps": [],
              "step_batches": [], "itl": 0}
@@ -168,33 +170,10 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
             time.sleep(5)
 
 
-def _run_one(name: str, runner: str, spec: dict, paths: dict, built, args) -> dict:
-    """One pass of one runner, in its own process."""
-    from .runners import run_in_subprocess
-
-    full = {**paths, **spec, "runner": "engine" if runner == "engine_int8" else runner}
-    if runner == "engine_int8":
-        full["artifact"] = str(built.int8)
-    busy = wait_for_quiet(args.wait_load, args.wait_max)
-    load = loadavg()
-    t0 = time.perf_counter()
-    log.info("%s: %s (load %.2f, others %.2f cores)", name, runner, load, busy)
-    try:
-        res = run_in_subprocess(full)
-    except Exception as e:  # one runner failing must not lose the others
-        log.error("%s: %s failed: %s", name, runner, e)
-        res = {"error": str(e)[-2000:]}
-    res["wall_seconds"] = round(time.perf_counter() - t0, 1)
-    res["load_before"], res["others_cores_before"] = load, busy
-    res["others_cores_after"] = others_cpu(1.0) if args.wait_load > 0 else None
-    log.info("%s: %s done in %.0fs", name, runner, res["wall_seconds"])
-    return res
-
-
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
-    from .merge import merge_passes
     from .roofline import bandwidth_in_subprocess, decode_graph, decode_weight_bytes
+    from .turns import run_turns
 
     cache = Path(args.cache)
     want = set(args.runners.split(",")) if args.runners else None
@@ -211,15 +190,18 @@ def run_size(name: str, args, results_dir: Path) -> dict:
                     "build_seconds": built.build_seconds}}
     paths = dict(artifact=str(built.fp32), ckpt=str(built.ckpt), hf=str(built.hf),
                  genai=str(built.genai) if built.genai else None,
+                 int8_artifact=str(built.int8) if built.int8 else None,
                  vocab=built.size.vocab, threads=args.threads,
                  workdir=str(cache / "tmp"))
-    passes = args.passes or (1 if args.quick else 2)
-    out["meta"]["passes"] = passes
-    results: dict[str, list[dict]] = {r: [] for r in pl}
-    for k in range(passes):  # alternating order: each runner early in one pass, late in another
-        for runner in (list(pl) if k % 2 == 0 else list(pl)[::-1]):
-            results[runner].append(_run_one(name, runner, pl[runner], paths, built, args))
-    out["runners"] = {r: merge_passes(res) for r, res in results.items()}
+    rounds = args.repeats or 2
+    out["meta"]["rounds"] = rounds
+    busy = wait_for_quiet(args.wait_load, args.wait_max)
+    log.info("%s: %s taking turns, %d rounds (load %.2f)", name, ", ".join(pl), rounds,
+             load_before)
+    t0 = time.perf_counter()
+    out["runners"] = run_turns(pl, paths, rounds, cache / "tmp")
+    out["meta"]["others_cores_before"] = busy
+    out["meta"]["measure_seconds"] = round(time.perf_counter() - t0, 1)
     # roofline: bytes per decode step vs read bandwidth
     # measured per size, right after its runners; the roofline uses the best figure of the run
     # (a busy neighbour only ever lowers it)

@@ -102,8 +102,7 @@ def targets(results: dict[str, dict]) -> list[dict]:
         out.append(_target(f"{key}: engine overhead ≤ 10% over the raw loop (engine ≥ 0.9× "
                            f"loop, batch 1, 128 new tokens)", _ratio(e1, l1), 0.9,
                            "per-token work on the engine thread and the caller's wake-ups (at "
-                           "most one per --stream-interval-ms); runners measured in turn also "
-                           "carry this machine's drift (README, Serve: interleaved figures)",
+                           "most one per --stream-interval-ms)",
                            f"{_fmt(e1)} vs {_fmt(l1)} tok/s"))
         grpc = _get(size, "runners", "grpc", "grpc") or {}
         if grpc.get("single_tok_s") is not None:
@@ -200,13 +199,24 @@ def _why_concurrency(size: dict) -> str:
 
 
 # --- markdown ----------------------------------------------------------------------------------
-def _passes(meta: dict) -> str:
-    n = meta.get("passes", 1)
-    if n <= 1:
+def _turns(results: dict[str, dict]) -> str:
+    """How the runners were measured, and how far one runner's turns at a cell spread."""
+    rounds = max((s.get("meta", {}).get("rounds", 0) for s in results.values()), default=0)
+    if not rounds:
         return ""
-    return (f", and the best of {n} passes over the runners in alternating order (each runner "
-            f"in its own process, each cell its best pass: this machine's speed drifts within "
-            f"minutes)")
+    spread = sorted(max(t) / min(t) - 1 for s in results.values()
+                    for v in s.get("runners", {}).values()
+                    for c in (v.get("decode") or {}).values()
+                    if len(t := c.get("turns_tok_s") or []) > 1 and min(t) > 0)
+    text = (f". Every runner is loaded once, in its own process, and the runners take turns "
+            f"cell by cell in alternating order (`bench/turns.py`), so the figures a ratio "
+            f"compares were measured seconds apart; each cell is a runner's best of {rounds} "
+            f"turns")
+    if spread:
+        text += (f" (a runner's turns at one decode cell differed by a median "
+                 f"{spread[len(spread) // 2]:.0%}, at most {spread[-1]:.0%}: this machine's "
+                 f"speed drifts)")
+    return text
 
 
 def render(results: dict[str, dict]) -> str:
@@ -221,13 +231,12 @@ def render(results: dict[str, dict]) -> str:
         lines += [f"Measured by `kvserve bench{' --quick' if meta.get('quick') else ''}` on "
                   f"{meta.get('machine', '?')}, {meta.get('date', '?')}; 1-minute load average "
                   f"before → after each size: {loads} (it counts this benchmark's own runner "
-                  f"processes too; the decode table's last column gives the load and the cores "
-                  f"other processes used just before each runner). Versions: {meta.get('versions', {})}. "
+                  f"processes too). Versions: {meta.get('versions', {})}. "
                   f"Random-init Llama weights (seed {meta.get('seed')}), the same weights for "
                   f"every runner (greedy outputs agree: {_agree(results)}). Greedy, 32-token "
                   f"prompt; tok/s = batch × new tokens / wall time of the whole call "
-                  f"(prefill included), best of N after a warm-up"
-                  f"{_passes(meta)}; 2 intra-op threads everywhere.", ""]
+                  f"(prefill included), after a warm-up"
+                  f"{_turns(results)}; 2 intra-op threads everywhere.", ""]
     for key, size in results.items():
         lines += _size_tables(key, size)
     lines += ["### Targets", "", "| target | ratio | goal | status | figures | why (when missed) |",
@@ -262,14 +271,13 @@ def _size_tables(key: str, size: dict) -> list[str]:
     cols = decode_columns(size)
     lines = [f"### {size.get('label', key)}", "",
              "Decode tok/s (batch × new tokens):", "",
-             "| runner | " + " | ".join(cols) + " | peak RSS MB | load / others' cores |",
-             "|---|" + "---|" * (len(cols) + 2)]
+             "| runner | " + " | ".join(cols) + " | peak RSS MB |",
+             "|---|" + "---|" * (len(cols) + 1)]
     for r in names:
         cells = [_fmt(tok_s(size, r, c)) for c in cols]
         v = runners[r]
         lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells)
-                     + f" | {_fmt(v.get('rss_peak_mb'))} | {_fmt(v.get('load_before'), 2)} / "
-                       f"{_fmt(v.get('others_cores_before'), 2)} |")
+                     + f" | {_fmt(v.get('rss_peak_mb'))} |")
     errs = [f"{r}: {runners[r]['error'].strip().splitlines()[-1][:200]}" for r in runners
              if runners[r].get("error")]
     if errs:

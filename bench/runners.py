@@ -1,5 +1,7 @@
 """The runners: one process each (``python -m kvserve.bench.runners SPEC_JSON``), so that peak RSS
-is attributable to one runner and no runner warms another's caches or shares its GIL.
+is attributable to one runner and no runner warms another's caches or shares its GIL. The
+processes stay alive side by side and take turns, cell by cell (``bench/turns.py``): each
+answers one measurement per command on stdin (``Worker``).
 
 Every runner offers the same operations on the same token ids:
   generate(prompts (B, P) int, n) -> (B, n) greedy tokens   (decode tok/s, TTFT = n of 1)
@@ -15,8 +17,10 @@ What each runner is:
   torch   kvserve's torch model, eager (model/generate.py)
   hf      Hugging Face transformers LlamaForCausalLM.generate, eager attention, same weights
   genai   onnxruntime-genai 0.18 Generator API, greedy, batch via set_search_options
-  grpc    kvserve serve (a subprocess) driven by the Python gRPC client (clients/client.py)
-Timing: wall clock (time.perf_counter) around each call, best of ``repeats`` after a warm-up.
+  grpc    kvserve serve (a subprocess) driven by the Python gRPC client (clients/client.py):
+          batch B = B concurrent streams
+Timing: wall clock (time.perf_counter) around each call; within a turn, calls repeat while
+they took under a second together (``best_of``).
 """
 from __future__ import annotations
 
@@ -79,6 +83,10 @@ class Runner:
     def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
         raise NotImplementedError
 
+    def extra(self) -> dict:
+        """Figures of its own for the results (the gRPC server's peak RSS)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -124,7 +132,9 @@ class LoopRunner(Runner):
 
     def step_ms(self, position, steps, batch=1):
         prompt = prompts_for(batch, position, self.cfg.vocab_size, seed=7)
-        kv, tok = self.start(prompt, position + steps + 2)
+        kv, tok = self.start(prompt, position + steps + 3)
+        logits, _ = self.lm.decode(kv, batch, tok)  # untimed: binds the decode shapes (as
+        tok = logits.argmax(-1)  # genai's untimed first step is its prefill's)
         dts = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -382,54 +392,48 @@ class Server:
         self.log.close()
 
 
-def grpc_bench(spec: dict) -> dict:
-    """Single-stream end-to-end tok/s and 16 concurrent streams' aggregate tok/s."""
-    from kvserve.clients.client import Client
+class GrpcRunner(Runner):
+    """``kvserve serve`` in a subprocess driven by the Python gRPC client: a batch of B prompts
+    is B concurrent streams (one thread each), a batch of 1 is one stream. The server's
+    ``--max-batch`` is the largest batch asked for."""
+    name = "grpc"
 
-    workdir = Path(spec["workdir"])
-    workdir.mkdir(parents=True, exist_ok=True)
-    streams, n, P = spec["streams"], spec["new_tokens"], spec["prompt_len"]
-    srv = Server(spec["artifact"], spec["threads"], max_batch=streams, workdir=workdir)
-    try:
-        target = f"127.0.0.1:{srv.port}"
-        vocab = spec["vocab"]
-        prompts = prompts_for(streams, P, vocab, seed=3)
-        with Client(target, timeout=600) as c:
-            def one(p):
-                got = 0
-                for ev in c.generate_stream([int(t) for t in p], max_new_tokens=n,
-                                            ignore_eos=True):
-                    got += ev.type == "token"
-                return got
+    def __init__(self, artifact: str, threads: int, max_batch: int, workdir: Path):
+        from kvserve.clients.client import Client
 
-            one(prompts[0][:8])  # warm-up: connection, first call
-            single = []
-            for _ in range(spec["repeats"]):
-                t0 = time.perf_counter()
-                got = one(prompts[0])
-                single.append(time.perf_counter() - t0)
-                assert got == n, got
-            conc = []
-            for _ in range(spec["repeats"]):
-                counts = [0] * streams
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.server = Server(artifact, threads, max_batch=max_batch, workdir=workdir)
+        self.client = Client(f"127.0.0.1:{self.server.port}", timeout=600)
 
-                def worker(i):
-                    counts[i] = one(prompts[i])
+    def _one(self, prompt, n) -> list[int]:
+        return [ev.id for ev in self.client.generate_stream([int(t) for t in prompt],
+                                                            max_new_tokens=n, ignore_eos=True)
+                if ev.type == "token"]
 
-                threads = [threading.Thread(target=worker, args=(i,)) for i in range(streams)]
-                t0 = time.perf_counter()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                conc.append(time.perf_counter() - t0)
-                assert sum(counts) == streams * n, counts
-        return {"single_tok_s": n / min(single), "single_seconds": min(single),
-                "concurrent_streams": streams, "concurrent_tok_s": streams * n / min(conc),
-                "concurrent_seconds": min(conc), "server_rss_peak_mb": srv.peak_rss_mb(),
-                "client_rss_peak_mb": rss_peak_mb()}
-    finally:
-        srv.stop()
+    def generate(self, prompts, n):
+        out: list = [None] * len(prompts)
+
+        def worker(i):
+            out[i] = self._one(prompts[i], n)
+
+        if len(prompts) == 1:
+            worker(0)
+        else:
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if any(o is None or len(o) != n for o in out):
+            raise RuntimeError(f"a stream did not deliver {n} tokens")
+        return np.array(out, np.int64)
+
+    def extra(self) -> dict:
+        return {"server_rss_peak_mb": self.server.peak_rss_mb()}
+
+    def close(self):
+        self.client.close()
+        self.server.stop()
 
 
 # --- the measurement plan ----------------------------------------------------------------------
@@ -445,6 +449,9 @@ def make_runner(spec: dict) -> Runner:
         return HFRunner(spec["hf"], t)
     if kind == "genai":
         return GenaiRunner(spec["genai"], t, spec["vocab"])
+    if kind == "grpc":
+        return GrpcRunner(spec["artifact"], t, max(b for b, _ in spec["decode"]),
+                          Path(spec["workdir"]))
     raise ValueError(f"unknown runner {kind!r}")
 
 
@@ -464,87 +471,98 @@ def best_of(fn, repeats: int, min_total: float = 1.0, max_repeats: int = 10
     return best, out
 
 
-def run_spec(spec: dict) -> dict:
-    """Run one runner's plan; every figure it produces goes into the returned dict."""
-    if spec["runner"] == "grpc":
-        return {"grpc": grpc_bench(spec), "rss_peak_mb": rss_peak_mb()}
-    rss0 = rss_now_mb()
-    t0 = time.perf_counter()
-    r = make_runner(spec)
-    res: dict = {"runner": r.name, "load_seconds": time.perf_counter() - t0,
-                 "rss_before_load_mb": rss0}
-    if getattr(r, "lm", None) is not None:  # kvserve's runners: which artifact runtime
-        res["runtime"] = r.lm.kind
-    vocab, P = spec["vocab"], spec["prompt_len"]
-    rep = spec["repeats"]
+class Worker:
+    """One runner, loaded once, answering the orchestrator's measurements one turn at a time
+    (``bench/turns.py``). Each operation returns a JSON-able dict."""
+
+    def __init__(self, spec: dict):
+        rss0 = rss_now_mb()
+        t0 = time.perf_counter()
+        self.spec, self.r = spec, make_runner(spec)
+        self.vocab, self.P = spec["vocab"], spec["prompt_len"]
+        self.loaded = {"runner": self.r.name, "load_seconds": time.perf_counter() - t0,
+                       "rss_before_load_mb": rss0}
+        if getattr(self.r, "lm", None) is not None:  # kvserve's runners: which runtime
+            self.loaded["runtime"] = self.r.lm.kind
+        self.loaded["has"] = {"steps": self.r.has_steps, "stream": self.r.has_stream,
+                              "score": self.r.has_score}
+        self._scored = False
+
+    def warmup(self) -> dict:
+        """Every batch size once, a few tokens; the greedy tokens of a fixed prompt."""
+        if isinstance(self.r, GrpcRunner):
+            self.r.generate(prompts_for(1, 8, self.vocab), 4)  # connection, first call
+        for B in self.spec.get("batches", []):
+            self.r.generate(prompts_for(B, self.P, self.vocab), 4)
+        if not self.spec.get("sample_tokens"):
+            return {}
+        return {"sample_tokens": self.r.generate(prompts_for(1, self.P, self.vocab),
+                                                 16)[0].tolist()}
+
+    def decode(self, batch: int, n: int, min_total: float) -> dict:
+        prompts = prompts_for(batch, self.P, self.vocab)
+        secs, toks = best_of(lambda: self.r.generate(prompts, n), 1, min_total)
+        if toks.shape != (batch, n):
+            raise RuntimeError(f"{self.r.name} returned {toks.shape}, not {(batch, n)}")
+        return {"seconds": secs}
+
+    def ttft(self, length: int, min_total: float) -> dict:
+        prompt = prompts_for(1, length, self.vocab, seed=5)
+        secs, _ = best_of(lambda: self.r.generate(prompt, 1), 2, min_total)
+        return {"ms": 1000 * secs}
+
+    def itl(self, n: int) -> dict:
+        times = self.r.stream(prompts_for(1, self.P, self.vocab)[0], n)
+        gaps = np.diff(np.asarray(times)) * 1000
+        out = {"p50": float(np.percentile(gaps, 50)), "p99": float(np.percentile(gaps, 99)),
+               "mean": float(gaps.mean()), "n": int(len(gaps))}
+        if getattr(self.r, "decode_share", None):
+            out["engine_time_split"] = self.r.decode_share
+        return out
+
+    def step(self, position: int, batch: int, count: int) -> dict:
+        return {"ms": self.r.step_ms(position, count, batch)}
+
+    def score(self, sequences: int, tokens: int, min_total: float) -> dict:
+        seqs = prompts_for(sequences, tokens, self.vocab, seed=11).tolist()
+        if not self._scored:
+            self.r.score(seqs[:1])  # warm-up
+            self._scored = True
+        secs, lps = best_of(lambda: self.r.score(seqs), 1, min_total)
+        return {"seconds": secs, "logprob_sum": float(sum(np.sum(x) for x in lps))}
+
+    def finish(self) -> dict:
+        extra = self.r.extra()
+        self.r.close()
+        return {**extra, "rss_peak_mb": rss_peak_mb()}
+
+
+REPLY = "@kvserve-bench "  # the prefix of the worker's answers on stdout (libraries print too)
+
+
+def serve_turns(spec: dict) -> None:
+    """The runner process: load, say so, then answer one JSON command per stdin line
+    (``{"op": name, **arguments}``) with one line ``REPLY {"ok": ...}`` or ``{"error": ...}``
+    until ``finish`` or the end of stdin."""
     try:
-        # warm-up: every batch size once, a few tokens
-        for B in spec.get("batches", []):
-            r.generate(prompts_for(B, P, vocab), 4)
-        decode = {}
-        for B, n in spec.get("decode", []):
-            prompts = prompts_for(B, P, vocab)
-            reps = rep if B * n <= 2048 else max(1, rep - 1)
-            secs, toks = best_of(lambda: r.generate(prompts, n), reps)
-            assert toks.shape == (B, n), toks.shape
-            decode[f"{B}x{n}"] = {"batch": B, "new_tokens": n, "prompt": P, "seconds": secs,
-                                  "tok_s": B * n / secs, "repeats": reps}
-        res["decode"] = decode
-        if spec.get("sample_tokens"):
-            res["sample_tokens"] = r.generate(prompts_for(1, P, vocab), 16)[0].tolist()
-        ttft = {}
-        for L in spec.get("ttft", []):
-            prompt = prompts_for(1, L, vocab, seed=5)
-            secs, _ = best_of(lambda: r.generate(prompt, 1), rep + 1)
-            ttft[str(L)] = 1000 * secs
-        res["ttft_ms"] = ttft
-        if spec.get("itl") and r.has_stream:
-            n = spec["itl"]
-            times = r.stream(prompts_for(1, P, vocab)[0], n)
-            gaps = np.diff(np.asarray(times)) * 1000
-            res["itl_ms"] = {"p50": float(np.percentile(gaps, 50)),
-                             "p99": float(np.percentile(gaps, 99)),
-                             "mean": float(gaps.mean()), "n": int(len(gaps))}
-            if getattr(r, "decode_share", None):
-                res["itl_ms"]["engine_time_split"] = r.decode_share
-        if spec.get("steps") and r.has_steps:
-            res["step_ms"] = {str(pos): r.step_ms(pos, spec.get("step_count", 16))
-                              for pos in spec["steps"]}
-            for B in spec.get("step_batches", []):  # the same positions, B rows per step
-                res[f"step_ms_batch{B}"] = {str(pos): r.step_ms(pos, spec.get("step_count", 16),
-                                                               B) for pos in spec["steps"]}
-        if spec.get("score") and r.has_score:
-            nseq, T = spec["score"]
-            seqs = prompts_for(nseq, T, vocab, seed=11).tolist()
-            r.score(seqs[:1])  # warm-up
-            secs, lps = best_of(lambda: r.score(seqs), rep)
-            res["score"] = {"sequences": nseq, "tokens": T, "seconds": secs,
-                            "tok_s": nseq * T / secs,
-                            "logprob_sum": float(sum(np.sum(x) for x in lps))}
-    finally:
-        r.close()
-    res["rss_peak_mb"] = rss_peak_mb()
-    return res
-
-
-def run_in_subprocess(spec: dict, timeout: float = 1800) -> dict:
-    import subprocess
-
-    env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-m", "kvserve.bench.runners", json.dumps(spec)],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise RuntimeError(f"runner {spec['runner']} failed ({p.returncode}):\n"
-                           f"{p.stderr[-4000:]}")
-    return json.loads(lines[-1])
+        w = Worker(spec)
+        print(REPLY + json.dumps({"ok": w.loaded}), flush=True)
+    except Exception as e:  # noqa: BLE001 - reported to the orchestrator
+        print(REPLY + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        return
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            print(REPLY + json.dumps({"ok": getattr(w, op)(**cmd)}), flush=True)
+        except Exception as e:  # noqa: BLE001 - one cell failing must not lose the others
+            print(REPLY + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        if op == "finish":
+            return
 
 
 if __name__ == "__main__":
     import warnings
 
     warnings.simplefilter("ignore")
-    out = run_spec(json.loads(sys.argv[1]))
-    print(json.dumps(out))
+    serve_turns(json.loads(sys.argv[1]))

@@ -135,7 +135,8 @@ def test_plan_shapes():
     assert {(1, 128), (1, 512), (8, 128), (8, 512), (16, 128), (16, 512)} <= cells
     assert full["engine"]["ttft"] == [32, 512] and full["loop"]["steps"] == [16, 256, 1000]
     quick = plan("bench-6m", quick=True, repeats=None)
-    assert "engine_int8" not in quick and quick["grpc"]["streams"] == 16
+    assert "engine_int8" not in quick
+    assert quick["grpc"]["decode"] == [[1, 128], [8, 128]]  # one stream, 8 concurrent ones
 
 
 def test_decode_weight_bytes_skips_the_embedding(tmp_path):
@@ -190,44 +191,51 @@ def test_decode_cost_out_and_update_committed_exclude_each_other(capsys):
     assert "--out and --update-committed exclude each other" in capsys.readouterr().err
 
 
-def test_passes_merge_to_each_cells_best():
-    from kvserve.bench.merge import merge_passes
-
-    slow = {"runner": "engine", "runtime": "fused", "rss_peak_mb": 200.0,
-            "decode": {"1x128": {"seconds": 0.08, "tok_s": 1600.0},
-                       "8x128": {"seconds": 0.10, "tok_s": 10240.0}},
-            "ttft_ms": {"32": 2.5, "512": 30.0}, "step_ms": {"16": 0.5, "1000": 0.6},
-            "itl_ms": {"p50": 0.5, "p99": 0.6, "mean": 0.5, "n": 127},
-            "score": {"seconds": 0.2, "tok_s": 10000.0, "logprob_sum": -5.0},
-            "grpc": {"single_tok_s": 1000.0, "single_seconds": 0.128,
-                     "server_rss_peak_mb": 150.0}}
-    fast = {"runner": "engine", "runtime": "fused", "rss_peak_mb": 210.0,
-            "decode": {"1x128": {"seconds": 0.05, "tok_s": 2560.0},
-                       "8x128": {"seconds": 0.125, "tok_s": 8192.0}},
-            "ttft_ms": {"32": 2.0, "512": 35.0}, "step_ms": {"16": 0.4, "1000": 0.7},
-            "itl_ms": {"p50": 0.4, "p99": 0.9, "mean": 0.45, "n": 127},
-            "score": {"seconds": 0.25, "tok_s": 8000.0, "logprob_sum": -5.0},
-            "grpc": {"single_tok_s": 1200.0, "single_seconds": 0.107,
-                     "server_rss_peak_mb": 140.0}}
-    m = merge_passes([slow, {"error": "boom"}, fast])
-    assert m["passes"] == 3
-    assert m["decode"]["1x128"] == fast["decode"]["1x128"]  # whole cells, the faster pass
-    assert m["decode"]["8x128"] == slow["decode"]["8x128"]
-    assert m["ttft_ms"] == {"32": 2.0, "512": 30.0} and m["step_ms"] == {"16": 0.4, "1000": 0.6}
-    assert m["itl_ms"] == fast["itl_ms"] and m["score"] == slow["score"]
-    assert m["grpc"]["single_tok_s"] == 1200.0 and m["grpc"]["single_seconds"] == 0.107
-    assert m["grpc"]["server_rss_peak_mb"] == 150.0 and m["rss_peak_mb"] == 210.0  # worst
-    assert merge_passes([{"error": "a"}, {"error": "b"}])["error"] == "a"
-
-
-def test_passes_must_be_at_least_one():
+def test_repeats_must_be_at_least_one():
     import argparse
 
     from kvserve.bench.main import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert p.parse_args(["--passes", "3"]).passes == 3
+    assert p.parse_args(["--repeats", "3"]).repeats == 3
     for bad in ("0", "-1"):
         with pytest.raises(SystemExit):
-            p.parse_args(["--passes", bad])
+            p.parse_args(["--repeats", bad])
+
+
+def test_cells_are_shared_by_the_runners_that_measure_them():
+    from kvserve.bench.turns import cells_of
+
+    base = dict(decode=[[1, 128], [8, 128]], ttft=[32], itl=128, steps=[16, 1000],
+                step_batches=[16], score=[8, 256])
+    plan = {"engine": base, "genai": {**base, "score": None},
+            "hf": {**base, "decode": [[1, 128]], "steps": [], "itl": 0},
+            "grpc": {"decode": [[1, 128], [8, 128]]}}
+    has = {"engine": {"steps": False, "stream": True, "score": True},
+           "genai": {"steps": True, "stream": True, "score": False},
+           "hf": {"steps": False, "stream": False, "score": True},
+           "grpc": {"steps": False, "stream": False, "score": False}}
+    cells = {c.key: c.who for c in cells_of(plan, has)}
+    assert list(cells) == [("decode", 1, 128), ("decode", 8, 128), ("ttft", 32),
+                           ("itl", 128), ("step", 1, 16), ("step", 1, 1000),
+                           ("step", 16, 16), ("step", 16, 1000), ("score", 8, 256)]
+    assert cells[("decode", 1, 128)] == ["engine", "genai", "hf", "grpc"]
+    assert cells[("decode", 8, 128)] == ["engine", "genai", "grpc"]
+    assert cells[("itl", 128)] == ["engine", "genai"]
+    assert cells[("step", 16, 1000)] == ["genai"]  # the engine has no step of its own
+    assert cells[("score", 8, 256)] == ["engine", "hf"]
+    # a runner that failed to load has no cells
+    assert all("hf" not in who for who in (c.who for c in cells_of(plan, {
+        k: v for k, v in has.items() if k != "hf"})))
+
+
+def test_turn_spread_is_reported():
+    from kvserve.bench.report import _turns
+
+    res = {"bench-6m": {"meta": {"rounds": 2}, "runners": {"engine": {"decode": {
+        "1x128": {"turns_tok_s": [100.0, 110.0]}, "8x128": {"turns_tok_s": [200.0, 260.0]},
+        "16x128": {"turns_tok_s": [300.0]}}}}}}
+    text = _turns(res)
+    assert "best of 2 turns" in text and "median 30%" in text and "at most 30%" in text
+    assert _turns({"x": {"meta": {}}}) == ""

@@ -178,3 +178,41 @@ def test_grpc_floor_measures_a_bare_grpcio_server(tmp_path):
     for s in saved["settings"].values():
         assert len(s["peak_bytes"]) == 2 and s["max_x"] >= s["median_x"]
         assert s["max_x"] == pytest.approx(max(s["peak_bytes"]) / 500_000, abs=0.01)
+
+
+def test_runners_take_turns(tiny_artifact, tiny_ckpt, tmp_path):
+    """``bench/turns.py`` end to end: real runner processes (the engine, the raw loop, the gRPC
+    server with its client) alive side by side, taking turns at every cell for two rounds;
+    one runner that cannot load is reported without losing the others."""
+    from kvserve.bench.turns import run_turns
+    from kvserve.model.config import ModelConfig
+
+    vocab = ModelConfig.from_dict(json.loads((tiny_artifact / "config.json").read_text())
+                                  ).vocab_size
+    spec = dict(prompt_len=8, decode=[[1, 6], [2, 6]], batches=[1, 2], ttft=[8], itl=6,
+                steps=[4, 20], step_count=3, step_batches=[2], sample_tokens=True)
+    plan = {"engine": {**spec, "score": [2, 12]}, "loop": dict(spec),
+            "grpc": {"prompt_len": 8, "decode": [[1, 6], [2, 6]]},
+            "nonesuch": dict(spec), "hf": {**spec, "repeats": 1}}
+    paths = dict(artifact=str(tiny_artifact), ckpt=str(tiny_ckpt), hf=str(tmp_path / "no-hf"),
+                 genai=None, int8_artifact=None, vocab=vocab, threads=1,
+                 workdir=str(tmp_path))
+    out = run_turns(plan, paths, rounds=2, workdir=tmp_path)
+    assert "unknown runner 'nonesuch'" in out["nonesuch"]["error"]
+    assert out["hf"].get("error")  # no HF directory: it fails to load, the rest go on
+    for r in ("engine", "loop", "grpc"):
+        assert not out[r].get("error"), out[r].get("error")
+        for cell in ("1x6", "2x6"):
+            c = out[r]["decode"][cell]
+            assert len(c["turns_tok_s"]) == 2 and abs(c["tok_s"] - max(c["turns_tok_s"])) < 0.1
+        assert out[r]["rss_peak_mb"] > 0
+    assert out["engine"]["sample_tokens"] == out["loop"]["sample_tokens"]
+    assert len(out["engine"]["sample_tokens"]) == 16
+    for r in ("engine", "loop"):
+        assert out[r]["ttft_ms"]["8"] > 0 and out[r]["itl_ms"]["n"] == 5
+    assert set(out["loop"]["step_ms"]) == {"4", "20"} == set(out["loop"]["step_ms_batch2"])
+    assert "step_ms" not in out["engine"]  # the engine has no step of its own
+    assert out["engine"]["score"]["tok_s"] > 0 and "score" not in out["loop"]
+    g = out["grpc"]["grpc"]
+    assert g["concurrent_streams"] == 2 and g["single_tok_s"] > 0 and g["concurrent_tok_s"] > 0
+    assert g["server_rss_peak_mb"] > 0
