@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=_at_least_one, default=None,
                         help="rounds: how many turns each runner takes at each cell, keeping "
-                             "its best (default 2); the runners stay loaded side by side and "
+                             "its best (default 3); the runners stay loaded side by side and "
                              "take turns cell by cell, in alternating order, so the ones a "
                              "cell compares are measured seconds apart (this machine's speed "
                              "drifts within minutes)")
@@ -84,7 +84,7 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
     """runner -> what it measures (``repeats``: in how many rounds of turns it takes part).
     Expensive peers run fewer cells on the 100M model. The gRPC runner's batch of B is B
     concurrent streams."""
-    rep = repeats or 2
+    rep = repeats or 3
     if quick:
         base = dict(prompt_len=32, repeats=rep, batches=[1, 8],
                     decode=[[1, 128], [8, 128], [16, 128]], ttft=[32, 512], itl=128,
@@ -193,7 +193,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
                  int8_artifact=str(built.int8) if built.int8 else None,
                  vocab=built.size.vocab, threads=args.threads,
                  workdir=str(cache / "tmp"))
-    rounds = args.repeats or 2
+    rounds = args.repeats or 3
     out["meta"]["rounds"] = rounds
     busy = wait_for_quiet(args.wait_load, args.wait_max)
     log.info("%s: %s taking turns, %d rounds (load %.2f)", name, ", ".join(pl), rounds,

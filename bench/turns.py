@@ -1,8 +1,9 @@
 """Runners taking turns: every runner of a size is loaded once, each in its own process, and
 they stay alive side by side while the orchestrator walks the cells (a decode batch × length,
 a TTFT prompt, a step position, Score) and asks each runner in turn for one measurement of the
-cell. After the last cell the walk starts again (``rounds``), and each cell keeps each
-runner's best turn.
+cell. After the last cell the walk starts again (``rounds``); each cell keeps each runner's
+best turn, and its turns by round, which the report pairs: a target's ratio is the median over
+rounds of the two runners' turns in the same round.
 
 Why: this machine's speed drifts by tens of percent within minutes. Runners measured one after
 another (the previous design: each runner's whole plan in a fresh process, then the next
@@ -175,6 +176,7 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
             for r in who:
                 got = procs[r].call(cell.op, **cell.args)
                 if got is not None:
+                    got["round"] = k
                     turns.setdefault(cell.key, {}).setdefault(r, []).append(got)
         log.info("round %d of %d done", k + 1, rounds)
     for name, p in procs.items():
@@ -184,21 +186,28 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
             out[name]["error"] = p.error
     for key, per_runner in turns.items():
         for r, got in per_runner.items():
-            _best(out[r], key, got, plan[r].get("prompt_len"))
+            _best(out[r], key, got, plan[r].get("prompt_len"), rounds)
     if "grpc" in out and out["grpc"].get("decode"):
         out["grpc"]["grpc"] = _grpc_summary(out["grpc"])
     return out
 
 
-def _best(res: dict, key: tuple, got: list[dict], prompt: int | None) -> None:
-    """A runner's turns at one cell -> its entry in the results (the best turn)."""
+def _best(res: dict, key: tuple, got: list[dict], prompt: int | None, rounds: int) -> None:
+    """A runner's turns at one cell -> its entry in the results: the best turn, and for a
+    decode cell every turn's tok/s by round (None where it took no turn), which the report
+    pairs with another runner's turn of the same round."""
     op = key[0]
     if op == "decode":
         B, n = key[1:]
         best = min(t["seconds"] for t in got)
+        by_round: list[float | None] = [None] * rounds
+        for t in got:
+            by_round[t["round"]] = round(B * n / t["seconds"], 1)
+        while by_round and by_round[-1] is None:
+            by_round.pop()
         res.setdefault("decode", {})[f"{B}x{n}"] = {
             "batch": B, "new_tokens": n, "prompt": prompt, "seconds": best,
-            "tok_s": B * n / best, "turns_tok_s": [round(B * n / t["seconds"], 1) for t in got]}
+            "tok_s": B * n / best, "turns_tok_s": by_round}
     elif op == "ttft":
         res.setdefault("ttft_ms", {})[str(key[1])] = min(t["ms"] for t in got)
     elif op == "itl":

@@ -238,4 +238,22 @@ def test_turn_spread_is_reported():
         "16x128": {"turns_tok_s": [300.0]}}}}}}
     text = _turns(res)
     assert "best of 2 turns" in text and "median 30%" in text and "at most 30%" in text
+    assert "same round" in text
     assert _turns({"x": {"meta": {}}}) == ""
+
+
+def test_ratios_pair_the_turns_of_the_same_round():
+    from kvserve.bench.report import paired
+
+    def cell(turns):
+        return {"tok_s": max(t for t in turns if t), "turns_tok_s": turns}
+
+    size = {"runners": {
+        "engine": {"decode": {"1x128": cell([100.0, 60.0, 110.0])}},
+        "genai": {"decode": {"1x128": cell([100.0, 50.0, 130.0]), "8x128": cell([400.0])}},
+        "grpc": {"decode": {"8x128": cell([None, 300.0])}},
+        "old": {"decode": {"1x128": {"tok_s": 90.0}}}}}
+    # rounds: 1.0, 1.2, 0.846 -> median 1.0 (the bests alone would say 110/130 = 0.846)
+    assert paired(size, "engine", "genai", "1x128") == pytest.approx(1.0)
+    assert paired(size, "grpc", "genai", "8x128") == pytest.approx(300 / 400)  # unpaired
+    assert paired(size, "old", "genai", "1x128") == pytest.approx(90 / 130)  # no turns: bests
