@@ -118,12 +118,19 @@ class DeviceKV:
         if needed > self.capacity:
             self._reallocate(chunks(needed))
 
-    def shrink_to_fit(self, n: int) -> None:
-        """After sequences left: when the rows still in use by slots [0, n) fit in a quarter of
-        the capacity, move them to buffers of twice that. Only memory is at stake (a step's
-        cost follows ``used``, not the capacity), so the hysteresis keeps a steady workload
-        from growing and shrinking (a device copy and new bindings) with every request."""
-        target = chunks(int(self.used[:n].max()) + 1 if n else 1)
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows per slot now (an admitted request's prompt and new tokens),
+        so that decoding never stops to grow the buffers: a step's cost follows ``used``, not
+        the capacity, so the room costs memory only."""
+        self.ensure_capacity(rows)
+
+    def shrink_to_fit(self, n: int, keep_rows: int = 0) -> None:
+        """After sequences left: when the rows still in use by slots [0, n) (and the
+        ``keep_rows`` reserved for them) fit in a quarter of the capacity, move them to
+        buffers of twice that. Only memory is at stake, so the hysteresis keeps a steady
+        workload from growing and shrinking (a device copy and new bindings) with every
+        request."""
+        target = chunks(max(int(self.used[:n].max()) + 1 if n else 1, keep_rows))
         self.used[n:] = 0
         if target <= self.capacity // 4:
             self._reallocate(2 * target)

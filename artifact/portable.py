@@ -46,10 +46,15 @@ class KVBuffers:
         if needed > self.capacity:
             self._reallocate(chunks(needed))
 
-    def shrink_to_fit(self, n: int) -> None:
+    def reserve(self, rows: int) -> None:
+        """Nothing: every decode step of the portable graph attends over the whole capacity,
+        so it grows only as rows are filled (the fused cache reserves a request's rows)."""
+
+    def shrink_to_fit(self, n: int, keep_rows: int = 0) -> None:
         """After sequences left: when the rows still in use by slots [0, n) fit in half the
         capacity, move them to smaller buffers. Every decode step attends over the whole
-        capacity, so one long request that finished must not slow the rest down."""
+        capacity, so one long request that finished must not slow the rest down (rows
+        reserved for later, ``keep_rows``, are not kept: they would cost every step)."""
         target = chunks(int(self.used[:n].max()) + 1 if n else 1)
         if target <= self.capacity // 2:
             self.mask[n:] = 0  # free slots hold nothing

@@ -320,6 +320,9 @@ class Engine:
             seq.detok = IncrementalDetokenizer(self.token_bytes)
             seq.stopper = StopMatcher(seq.req.stopping.stop)
             (attn if seq.wants_attention else plain).append(seq)
+        # room for every admitted request's prompt and new tokens (the fused cache grows now,
+        # once, instead of copying its buffers in the middle of decoding)
+        self.kv.reserve(max(self._rows(s) for s in (*self.active, *seqs)))
         # batched prefill of the plain ones, grouped so that B x T x V stays under the cap
         plain.sort(key=lambda s: min(len(s.req.prompt_ids), self.chunk_tokens))
         group: list[_Seq] = []
@@ -511,8 +514,14 @@ class Engine:
                 self.kv.move(last, i)
                 self.active[i] = self.active[last]
             self.active.pop()
-        if gone:  # attention spans the whole capacity: give back what long sequences left
-            self.kv.shrink_to_fit(len(self.active))
+        if gone:  # give back the memory long sequences left (their slots are free now)
+            self.kv.shrink_to_fit(len(self.active),
+                                  max((self._rows(s) for s in self.active), default=0))
+
+    def _rows(self, seq: _Seq) -> int:
+        """KV rows a sequence may fill: its prompt and new tokens, within the model's context."""
+        return min(len(seq.req.prompt_ids) + seq.req.stopping.max_new_tokens + 1,
+                   self.lm.cfg.max_seq_len + 1)
 
     # --- scoring -------------------------------------------------------------------------------
     def _advance_jobs(self) -> None:

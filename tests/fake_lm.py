@@ -32,12 +32,19 @@ class FakeCache:
         self.tokens = [[] for _ in range(max_batch)]
         self.generation = next(_GEN)
         self.moves = 0
+        self.reserved: list[int] = []  # rows asked for by each reserve, in order
+        self.kept: list[int] = []  # keep_rows of each shrink_to_fit
 
     def ensure_capacity(self, needed: int) -> None:
         while needed > self.capacity:
             self.capacity += 128
 
-    def shrink_to_fit(self, n: int) -> None:
+    def reserve(self, rows: int) -> None:
+        self.reserved.append(rows)
+        self.ensure_capacity(rows)
+
+    def shrink_to_fit(self, n: int, keep_rows: int = 0) -> None:
+        self.kept.append(keep_rows)
         self.used[n:] = 0
         for b in range(n, self.max_batch):
             self.tokens[b] = []

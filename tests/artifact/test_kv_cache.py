@@ -166,3 +166,27 @@ def test_buffers_shrink_when_long_sequences_leave(main_model, lm):
     assert np.abs(logits[0] - want).max() <= LOGIT_TOL
     kv.shrink_to_fit(0)
     assert kv.capacity == after  # a quarter of 256 rows is below one chunk: kept
+
+
+def test_reserved_rows_are_room_without_reallocation(main_model, lm):
+    """Fused: ``reserve`` grows the buffers once, decoding inside the reservation never
+    reallocates, and a shrink keeps rows reserved for the sequences still there. Portable:
+    every step attends over the whole capacity, so nothing is reserved."""
+    kv = lm.new_cache(2)
+    kv.reserve(600)
+    if lm.kind != "fused":
+        assert kv.capacity == CAPACITY_CHUNK
+        return
+    assert kv.capacity == 5 * CAPACITY_CHUNK
+    gen = kv.generation
+    ids = np.random.default_rng(6).integers(0, main_model.cfg.vocab_size, 6)
+    lm.prefill(kv, 0, [ids])
+    tok = np.array([3])
+    for _ in range(150):  # past the first chunk of rows
+        logits, _ = lm.decode(kv, 1, tok)
+        tok = logits.argmax(-1)
+    assert kv.generation == gen and kv.used[0] == 156
+    kv.shrink_to_fit(1, keep_rows=600)
+    assert kv.capacity == 5 * CAPACITY_CHUNK and kv.generation == gen
+    kv.shrink_to_fit(1)  # nothing reserved: 157 rows are two chunks, over a quarter of 640
+    assert kv.capacity == 5 * CAPACITY_CHUNK
