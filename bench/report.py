@@ -41,13 +41,23 @@ def paired(size: dict, a: str, b: str, cell: str, cell_b: str | None = None
     """Runner ``a`` against runner ``b`` at a decode cell: the median over rounds of the ratio
     of their turns in the same round (measured seconds apart, so the machine's drift cancels),
     or the ratio of their best figures where the results have no turns."""
-    ta = _get(size, "runners", a, "decode", cell, "turns_tok_s") or []
-    tb = _get(size, "runners", b, "decode", cell_b or cell, "turns_tok_s") or []
-    pairs = sorted(x / y for x, y in zip(ta, tb) if x and y)
+    pairs = sorted(_pairs(size, a, b, cell, cell_b))
     if not pairs:
         return _ratio(tok_s(size, a, cell), tok_s(size, b, cell_b or cell))
     mid = len(pairs) // 2
     return pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
+
+
+def _pairs(size: dict, a: str, b: str, cell: str, cell_b: str | None = None) -> list[float]:
+    ta = _get(size, "runners", a, "decode", cell, "turns_tok_s") or []
+    tb = _get(size, "runners", b, "decode", cell_b or cell, "turns_tok_s") or []
+    return [x / y for x, y in zip(ta, tb) if x and y]
+
+
+def per_round(size: dict, a: str, b: str, cell: str) -> str:
+    """'; per round 0.98/1.07/1.12' (the paired ratios a target's median comes from)."""
+    pairs = _pairs(size, a, b, cell)
+    return f"; per round {'/'.join(f'{x:.2f}' for x in pairs)}" if len(pairs) > 1 else ""
 
 
 def decode_columns(size: dict) -> list[str]:
@@ -107,7 +117,7 @@ def targets(results: dict[str, dict]) -> list[dict]:
                 out.append(_target(f"{key}: engine ≥ 1.0× onnxruntime-genai, batch {B}, "
                                    f"{n} new tokens", r, 1.0, why,
                                    f"{_fmt(e)} vs {_fmt(g)} tok/s; raw loop "
-                                   f"{_fmt(rl, 2)}×"))
+                                   f"{_fmt(rl, 2)}×{per_round(size, 'engine', 'genai', cell)}"))
                 if key == "bench-6m" and B == 1:
                     out.append(_target(f"{key}: stretch engine ≥ 1.2× onnxruntime-genai, "
                                        f"batch 1, {n} new tokens", r, 1.2, why,
@@ -118,7 +128,8 @@ def targets(results: dict[str, dict]) -> list[dict]:
                                                                      "1x128"), 0.9,
                            "per-token work on the engine thread and the caller's wake-ups (at "
                            "most one per --stream-interval-ms)",
-                           f"{_fmt(e1)} vs {_fmt(l1)} tok/s"))
+                           f"{_fmt(e1)} vs {_fmt(l1)} tok/s"
+                           f"{per_round(size, 'engine', 'loop', '1x128')}"))
         grpc = _get(size, "runners", "grpc", "grpc") or {}
         if grpc.get("single_tok_s") is not None:
             streams = grpc.get("concurrent_streams", 8)
@@ -133,13 +144,15 @@ def targets(results: dict[str, dict]) -> list[dict]:
                                "Python gRPC per message (tokens coalesced per wake-up, "
                                "--stream-interval-ms) and the client process on the same 2 "
                                "cores as the server",
-                               f"{_fmt(grpc['single_tok_s'])} vs {_fmt(g1)} tok/s"))
+                               f"{_fmt(grpc['single_tok_s'])} vs {_fmt(g1)} tok/s"
+                               f"{per_round(size, 'grpc', 'genai', '1x128')}"))
             out.append(_target(f"{key}: gRPC {streams} streams ≥ 0.9× onnxruntime-genai batch "
                                f"{streams}", rb, 0.9,
                                f"{streams} servicer threads, woken together each stream "
                                f"interval, queue for the GIL with the engine thread, and "
                                f"{streams} client threads share the same 2 cores",
-                               f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(gb)} tok/s"))
+                               f"{_fmt(grpc.get('concurrent_tok_s'))} vs {_fmt(gb)} tok/s"
+                               f"{per_round(size, 'grpc', 'genai', f'{streams}x128')}"))
         es = _get(size, "runners", "engine", "score", "tok_s")
         hs = _get(size, "runners", "hf", "score", "tok_s")
         if es is not None and hs is not None:
@@ -189,9 +202,10 @@ def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
     # one (attention over the whole buffer capacity, RoPE/softmax/masks as separate ops)
     fused = _get(size, "runners", "loop", "runtime") == "fused"
     if loop_r is not None and loop_r > r + 0.03:
-        parts.append(f"engine-side cost (raw runner loop reaches {loop_r:.2f}×): per-token "
-                     f"bookkeeping on the engine thread (sampling, detokenizer, stop checks, "
-                     f"events, metrics)" + ("" if fused else " and every decode step attending "
+        parts.append(f"engine-side cost (raw runner loop reaches {loop_r:.2f}×): waking the "
+                     f"caller (the woken thread preempts onnxruntime's on 2 cores) and "
+                     f"per-token bookkeeping on the engine thread (sampling, detokenizer, stop "
+                     f"checks, events)" + ("" if fused else " and every decode step attending "
                                              "over the whole buffer capacity (rounded up to "
                                              "128 rows)") + "; see bench/results/profile.md")
     steps_k = _get(size, "runners", "loop", "step_ms") or {}
@@ -207,7 +221,7 @@ def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:
                    "genai's (GroupQueryAttention with RoPE and the KV write fused)"))
     if B > 1 and n == 512 and not fused:
         parts.append("attention over the whole buffer capacity per row")
-    return "; ".join(parts) or "within noise of the run (see load in the header)"
+    return "; ".join(parts) or "within this machine's noise (see the per-round ratios)"
 
 
 def _why_concurrency(size: dict) -> str:

@@ -257,3 +257,7 @@ def test_ratios_pair_the_turns_of_the_same_round():
     assert paired(size, "engine", "genai", "1x128") == pytest.approx(1.0)
     assert paired(size, "grpc", "genai", "8x128") == pytest.approx(300 / 400)  # unpaired
     assert paired(size, "old", "genai", "1x128") == pytest.approx(90 / 130)  # no turns: bests
+    from kvserve.bench.report import per_round
+
+    assert per_round(size, "engine", "genai", "1x128") == "; per round 1.00/1.20/0.85"
+    assert per_round(size, "old", "genai", "1x128") == ""
