@@ -1,5 +1,5 @@
-"""What the bench scripts share: where results go and what machine they ran on. Imported by
-``main``, ``profile`` and ``decode_cost``; imports none of them."""
+"""What the bench scripts share: where results go, what machine they ran on, and a process's
+memory from /proc. Imported by the other bench modules; imports none of them."""
 from __future__ import annotations
 
 import os
@@ -40,3 +40,23 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             pass
     return out
+
+
+def proc_memory(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of a process, in bytes, from ``/proc/PID/status`` (empty when
+    unreadable). VmHWM, not ``ru_maxrss``: Linux carries that across fork+exec, so a child
+    would report its parent's peak."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def memory_mb(key: str, pid: int | str = "self") -> float:
+    """``VmRSS`` or ``VmHWM`` of a process in MiB (NaN when unreadable)."""
+    b = proc_memory(pid).get(key)
+    return float("nan") if b is None else b / 2**20

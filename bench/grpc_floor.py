@@ -25,15 +25,9 @@ from pathlib import Path
 
 import grpc
 
+from kvserve.bench.common import proc_memory
+
 METHOD = "/floor.Floor/Refuse"
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out
 
 
 def rss_peak_during(pid: int, call):
@@ -41,9 +35,9 @@ def rss_peak_during(pid: int, call):
     bytes; what ``call`` returned). The peak is VmHWM, first reset to VmRSS through
     ``/proc/PID/clear_refs``. Also used by tests/hardening/test_wire.py on ``kvserve serve``."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status(pid)["VmRSS"]
+    before = proc_memory(pid)["VmRSS"]
     out = call()
-    return _status(pid)["VmHWM"] - before, out
+    return proc_memory(pid)["VmHWM"] - before, out
 
 
 def serve(port_file: str) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import sys
 import threading
@@ -35,27 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import memory_mb
+
 
 def rss_peak_mb() -> float:
-    """This process's peak RSS: VmHWM of its own address space. Not ``ru_maxrss``: Linux
-    carries that across fork+exec, so a runner would report its parent's peak."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    """This process's peak RSS (MiB)."""
+    return memory_mb("VmHWM")
 
 
 def rss_now_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return float("nan")
+    return memory_mb("VmRSS")
 
 
 def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -376,10 +364,7 @@ class Server:
         self.port = json.loads(port_file.read_text())["port"]
 
     def peak_rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024.0
-        return float("nan")
+        return memory_mb("VmHWM", self.proc.pid)
 
     def stop(self) -> None:
         import signal
