@@ -4,7 +4,8 @@ test directories). ``tests/`` is on sys.path because ``tests/conftest.py`` lives
 - ``build_artifact``: the session's tiny served model (random init, fixed seed, a BPE trained
   on a small multilingual text), exported through the real pipeline (parity gate, manifest);
   the torch model is kept for reference comparisons.
-- ``running_app``: a real gRPC server (``App``) on a free loopback port, drained on exit.
+- ``running_app``: a real gRPC server (``App``) on a free loopback port, drained on exit;
+  ``ready_channel``: a channel to it, connected.
 - request builders and torch references for the server, client and hardening tests.
 """
 from __future__ import annotations
@@ -133,6 +134,19 @@ def server_config(**kw):
                 max_queue=16, drain_grace=2.0)
     base.update(kw)
     return ServerConfig(**base)
+
+
+@contextlib.contextmanager
+def ready_channel(port: int, timeout: float = 10.0):
+    """An insecure channel to 127.0.0.1:``port``, connected (or TimeoutError), closed on exit."""
+    import grpc
+
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        grpc.channel_ready_future(ch).result(timeout=timeout)
+        yield ch
+    finally:
+        ch.close()
 
 
 @contextlib.contextmanager

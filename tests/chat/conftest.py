@@ -2,13 +2,12 @@
 OpenAI-compatible HTTP API (bearer token on), and the official openai client against it."""
 from __future__ import annotations
 
-import grpc
 import pytest
 
 pytest.importorskip("torch")
 
 from chat_helpers import TOKEN  # noqa: E402
-from kvserve_testing import build_chat_artifact, running_app  # noqa: E402
+from kvserve_testing import build_chat_artifact, ready_channel, running_app  # noqa: E402
 
 
 
@@ -42,8 +41,6 @@ def oai(base_url):
 def chat_stub(chat_app):
     from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
-    ch = grpc.insecure_channel(f"127.0.0.1:{chat_app.port}")
-    grpc.channel_ready_future(ch).result(timeout=10)
-    yield pb_grpc.InferenceStub(ch)
-    ch.close()
+    with ready_channel(chat_app.port) as ch:
+        yield pb_grpc.InferenceStub(ch)
 

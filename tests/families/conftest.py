@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from family_models import (CASES, PORTABLE, PROMPT, SPIECE, build, save,  # noqa: E402
                            sentencepiece_tokenizer)
-from kvserve_testing import TRAIN_TEXTS, running_app  # noqa: E402
+from kvserve_testing import TRAIN_TEXTS, ready_channel, running_app  # noqa: E402
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3_longrope",
             "smollm3", "phi3", "smollm2"]
@@ -65,7 +65,6 @@ def _setup():
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tmp_path_factory):
-    import grpc
 
     from kvserve.export.pipeline import export_artifacts
     from kvserve.model.hf_import import import_hf
@@ -89,8 +88,6 @@ def served(request, tmp_path_factory):
         dir = art
 
     with running_app(_A, max_batch=4) as app:
-        ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
-        grpc.channel_ready_future(ch).result(timeout=10)
-        yield Served(name, hf, hf_dir, ckpt, art, eos, eos_prefix,
-                     inference_pb2_grpc.InferenceStub(ch), tok)
-        ch.close()
+        with ready_channel(app.port) as ch:
+            yield Served(name, hf, hf_dir, ckpt, art, eos, eos_prefix,
+                         inference_pb2_grpc.InferenceStub(ch), tok)

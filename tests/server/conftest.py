@@ -2,12 +2,11 @@
 (``artifact`` from tests/conftest.py), its channel and stub."""
 from __future__ import annotations
 
-import grpc
 import pytest
 
 pytest.importorskip("torch")  # the artifact fixture builds the tiny model with torch
 
-from kvserve_testing import running_app  # noqa: E402
+from kvserve_testing import ready_channel, running_app  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -19,10 +18,8 @@ def app(artifact):
 
 @pytest.fixture(scope="session")
 def channel(app):
-    ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
-    grpc.channel_ready_future(ch).result(timeout=10)
-    yield ch
-    ch.close()
+    with ready_channel(app.port) as ch:
+        yield ch
 
 
 @pytest.fixture(scope="session")
