@@ -1,5 +1,6 @@
 """``kvserve bench``: build (or reuse) the benchmark models, load every runner in its own process
-and let them take turns cell by cell (``bench/turns.py``), write ``<size>.json`` and ``README-table.md`` into a results directory, and print the tables.
+and let them take turns cell by cell (``bench/turns.py``), write ``<size>.json`` and
+``README-table.md`` into a results directory, and print the tables.
 
   kvserve bench                     full run (6M, 100M, small) into a new
                                     .bench/results/<UTC time>/ (nothing committed is touched)
@@ -25,6 +26,8 @@ from pathlib import Path
 from .common import CACHE, README, RESULTS, loadavg, machine, versions
 
 log = logging.getLogger(__name__)
+
+ROUNDS = 3  # default --repeats: turns each runner takes at each cell
 
 
 def _at_least_one(text: str) -> int:
@@ -56,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=_at_least_one, default=None,
                         help="rounds: how many turns each runner takes at each cell, keeping "
-                             "its best (default 3); the runners stay loaded side by side and "
-                             "take turns cell by cell, in alternating order, so the ones a "
-                             "cell compares are measured seconds apart (this machine's speed "
-                             "drifts within minutes)")
+                             f"its best (default {ROUNDS}); the runners stay loaded side by "
+                             "side and take turns cell by cell, in alternating order, so the "
+                             "ones a cell compares are measured seconds apart (this machine's "
+                             "speed drifts within minutes)")
     parser.add_argument("--render-only", action="store_true",
                         help="no measurement: print the tables of existing results (with "
                              "--update-committed: rebuild bench/results/README-table.md and "
@@ -84,7 +87,7 @@ def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
     """runner -> what it measures (``repeats``: in how many rounds of turns it takes part).
     Expensive peers run fewer cells on the 100M model. The gRPC runner's batch of B is B
     concurrent streams."""
-    rep = repeats or 3
+    rep = repeats or ROUNDS
     if quick:
         base = dict(prompt_len=32, repeats=rep, batches=[1, 8],
                     decode=[[1, 128], [8, 128], [16, 128]], ttft=[32, 512], itl=128,
@@ -193,7 +196,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
                  int8_artifact=str(built.int8) if built.int8 else None,
                  vocab=built.size.vocab, threads=args.threads,
                  workdir=str(cache / "tmp"))
-    rounds = args.repeats or 3
+    rounds = args.repeats or ROUNDS
     out["meta"]["rounds"] = rounds
     busy = wait_for_quiet(args.wait_load, args.wait_max)
     log.info("%s: %s taking turns, %d rounds (load %.2f)", name, ", ".join(pl), rounds,

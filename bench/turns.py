@@ -167,7 +167,7 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
         if w:
             out[name].update(w)
     turns: dict[tuple, dict[str, list[dict]]] = {}
-    cells = cells_of({n: plan[n] for n in procs}, has)
+    cells = cells_of(plan, has)  # (a runner that failed to load has no cells)
     for k in range(rounds):
         for i, cell in enumerate(cells):
             who = [r for r in cell.who if k < plan[r].get("repeats", rounds)]
