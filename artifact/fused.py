@@ -41,8 +41,8 @@ class Prefilled:
 
 
 class KVOps:
-    """Device-side copies between KV buffers: ``resize`` (every slot keeps its first rows, in
-    a buffer of another capacity) and ``copy_slot``. Two tiny graphs on the same provider, so
+    """Device-side copies between KV buffers: ``resize`` (the slots in use keep their first
+    rows, in a buffer of another capacity) and ``copy_slot``. Two tiny graphs on the same provider, so
     a buffer never travels through the host."""
 
     def __init__(self, providers: list, device: str, dtype):
@@ -75,16 +75,23 @@ class KVOps:
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), self.dtype, self.device,
                                                          0)
 
-    def resize(self, buf: ort.OrtValue, capacity: int) -> ort.OrtValue:
-        old = buf.shape()[2]
+    def resize(self, buf: ort.OrtValue, capacity: int, slots: int) -> ort.OrtValue:
+        """A new buffer of ``capacity`` rows per slot whose first ``slots`` slots hold the old
+        one's rows (as many as fit); the other slots' rows are left unwritten."""
+        shape = list(buf.shape())
+        old, shape[2] = shape[2], capacity
+        out = self.allocate(shape)
+        if not slots:
+            return out
         keep = min(old, capacity)
         b = self._resize.io_binding()
-        b.bind_ortvalue_input("x", buf)
+        b.bind_input("x", self.device, 0, self.dtype, [slots, *shape[1:2], old, *shape[3:]],
+                     buf.data_ptr())
         b.bind_cpu_input("keep", np.array([keep], np.int64))
         b.bind_cpu_input("pads", np.array([0, 0, 0, 0, 0, 0, capacity - keep, 0], np.int64))
-        b.bind_output("y", self.device)
+        b.bind_output("y", self.device, 0, self.dtype, [slots, *shape[1:]], out.data_ptr())
         self._resize.run_with_iobinding(b)
-        return b.get_outputs()[0]
+        return out
 
     def copy_slot(self, buf: ort.OrtValue, src: int, dst: int) -> None:
         shape = [1, *buf.shape()[1:]]
@@ -99,9 +106,10 @@ class DeviceKV:
     """Per-layer key/value homes for up to ``max_batch`` sequences, on the provider's device.
 
     Active sequences occupy the first slots; ``used[b]`` rows of slot b are filled. The
-    capacity grows in chunks (one device copy per chunk) and shrinks when long sequences
-    leave. ``generation`` changes (process-unique) whenever the buffers are reallocated, so a
-    cached IO binding is never used with freed buffers.
+    capacity grows in chunks and shrinks when long sequences leave; either copies only the
+    slots up to the last one in use (nothing when the cache is empty, as when an idle engine
+    admits a request). ``generation`` changes (process-unique) whenever the buffers are
+    reallocated, so a cached IO binding is never used with freed buffers.
     """
 
     def __init__(self, cfg: ModelConfig, ops: KVOps, max_batch: int,
@@ -136,9 +144,10 @@ class DeviceKV:
             self._reallocate(2 * target)
 
     def _reallocate(self, capacity: int) -> None:
-        if self.k:
-            self.k = [self.ops.resize(a, capacity) for a in self.k]
-            self.v = [self.ops.resize(a, capacity) for a in self.v]
+        if self.k:  # only the slots up to the last one in use are copied
+            live = int(np.flatnonzero(self.used).max()) + 1 if self.used.any() else 0
+            self.k = [self.ops.resize(a, capacity, live) for a in self.k]
+            self.v = [self.ops.resize(a, capacity, live) for a in self.v]
         else:
             shape = (self.max_batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
             self.k = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
@@ -295,7 +304,7 @@ class FusedLM(ArtifactRunner):
         bound.ids[...] = ids
         np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
         bound.qlens[...] = qlens
-        bound.total[...] = used.max()
+        bound.total[...] = top if S == 1 else used.max()  # (a step: the old maximum + 1)
         bound.sync()
         t0 = time.perf_counter()
         try:

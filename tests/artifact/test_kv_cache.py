@@ -190,3 +190,43 @@ def test_reserved_rows_are_room_without_reallocation(main_model, lm):
     assert kv.capacity == 5 * CAPACITY_CHUNK and kv.generation == gen
     kv.shrink_to_fit(1)  # nothing reserved: 157 rows are two chunks, over a quarter of 640
     assert kv.capacity == 5 * CAPACITY_CHUNK
+
+
+def test_resizing_copies_only_the_slots_in_use(main_model, lm):
+    """Fused: a growth or shrink copies the slots up to the last one holding rows, and nothing
+    when no slot holds any (an idle engine admitting a request): with 16 slots and one
+    sequence, the other 15 slots' rows are not moved. The rows that are copied are intact."""
+    if lm.kind != "fused":
+        return
+    copied: list[int] = []
+    resize = lm.ops.resize
+
+    def recording(buf, capacity, slots):
+        copied.append(slots)
+        return resize(buf, capacity, slots)
+
+    lm.ops.resize = recording
+    try:
+        kv = lm.new_cache(16)
+        kv.reserve(300)  # empty: new buffers, nothing copied
+        assert kv.capacity == 3 * CAPACITY_CHUNK and set(copied) == {0}
+        ids = np.random.default_rng(8).integers(0, main_model.cfg.vocab_size, 20)
+        lm.prefill(kv, 2, [ids])  # slot 2 (slots 0 and 1 stay empty)
+        before = [kv.slot_rows(layer, 2) for layer in range(main_model.cfg.n_layers)]
+        copied.clear()
+        kv.reserve(700)
+        assert kv.capacity == 6 * CAPACITY_CHUNK
+        assert copied == [3] * (2 * main_model.cfg.n_layers)  # slots 0..2 of each buffer
+        for layer, (k, v) in enumerate(before):
+            k2, v2 = kv.slot_rows(layer, 2)
+            assert np.array_equal(k, k2) and np.array_equal(v, v2)
+        logits, _ = lm.decode(kv, 3, np.array([0, 0, 5]))
+        with torch.no_grad():
+            want = main_model(torch.tensor(np.append(ids, 5)[None])).logits[0, -1].numpy()
+        assert np.abs(logits[2] - want).max() <= LOGIT_TOL
+        copied.clear()
+        kv.clear(2)
+        kv.shrink_to_fit(0)  # nothing in use: new, smaller buffers, nothing copied
+        assert kv.capacity == 2 * CAPACITY_CHUNK and set(copied) == {0}
+    finally:
+        lm.ops.resize = resize
