@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class ScoreRequest:
 
 
 # --- results ------------------------------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)  # one per generated token: slots make it cheaper to build and hold
 class TokenEvent:
     index: int
     token_id: int
@@ -97,7 +98,7 @@ class TokenEvent:
     top_ids: np.ndarray | None = None
     top_logprobs: np.ndarray | None = None
     logits: np.ndarray | None = None  # (V,) float32
-    attention: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # layer, head, row
+    attention: Sequence[tuple[int, int, np.ndarray]] = ()  # (layer, head, row) when asked
     special: bool = False
 
 

@@ -101,6 +101,10 @@ class _Seq:
     detok: IncrementalDetokenizer | None = None
     stopper: StopMatcher | None = None
     done: bool = False
+    # from which generated-token index the batch's greedy argmax picks this sequence's token
+    # (greedy, no penalties, nothing banned any more); None: never (it samples or penalises)
+    argmax_from: int | None = None
+    staged: bool = False  # its events box can hold events back (stage / wake)
 
     @property
     def wants_attention(self) -> bool:
@@ -319,6 +323,8 @@ class Engine:
             seq.rng = make_rng(p.seed) if not p.greedy else None
             seq.detok = IncrementalDetokenizer(self.token_bytes)
             seq.stopper = StopMatcher(seq.req.stopping.stop)
+            seq.argmax_from = self._argmax_from(seq.req)
+            seq.staged = bool(self.stream_interval) and hasattr(seq.handle.events, "stage")
             (attn if seq.wants_attention else plain).append(seq)
         # room for every admitted request's prompt and new tokens (the fused cache grows now,
         # once, instead of copying its buffers in the middle of decoding)
@@ -373,9 +379,10 @@ class Engine:
 
     # --- decoding ------------------------------------------------------------------------------
     def _decode_step(self) -> None:
-        n = len(self.active)
-        attention = any(s.wants_attention and not s.forced for s in self.active)
-        tokens = np.array([s.feed for s in self.active], np.int64)
+        active = self.active
+        n = len(active)
+        attention = any(s.wants_attention and not s.forced for s in active)
+        tokens = np.fromiter([s.feed for s in active], np.int64, n)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
             # events handed over before that refill, which may take a while)
             self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens,
@@ -386,9 +393,10 @@ class Engine:
         self.metrics.step(n, time.monotonic() - t0)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token next_token would pick
-        plain = [self._plain_greedy(s) for s in self.active]
+        plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
+                 for s in active]
         argmax = logits[:n].argmax(axis=1).tolist() if any(plain) else None
-        for i, seq in enumerate(self.active):
+        for i, seq in enumerate(active):
             if seq.forced:
                 seq.feed = seq.forced.popleft()
                 continue
@@ -404,11 +412,15 @@ class Engine:
         seq = self.active[slot]
         return [*seq.req.prompt_ids, *seq.generated]
 
-    def _plain_greedy(self, seq: _Seq) -> bool:
-        p, st = seq.req.sampling, seq.req.stopping
-        return p.greedy and not p.has_penalties and (
-            len(seq.generated) >= st.min_new_tokens
-            or not (st.stop_token_ids or (self.eos_ids and not st.ignore_eos)))
+    def _argmax_from(self, req: GenerateRequest) -> int | None:
+        """The generated-token index from which a plain argmax of the row is the token
+        ``next_token`` would pick: greedy without penalties, once no id is banned any more
+        (stop ids and eos are banned before ``min_new_tokens``). None: never."""
+        p, st = req.sampling, req.stopping
+        if not p.greedy or p.has_penalties:
+            return None
+        banned = st.stop_token_ids or (self.eos_ids and not st.ignore_eos)
+        return st.min_new_tokens if banned else 0
 
     def _on_logits(self, seq: _Seq, raw: np.ndarray, attention, tok: int | None = None
                    ) -> None:
@@ -460,7 +472,7 @@ class Engine:
         seq.last_token = now
         seq.text.append(ev.text)
         box = seq.handle.events
-        if first or not self.stream_interval or not hasattr(box, "stage"):
+        if first or not seq.staged:
             box.put(ev)  # (a sink with put alone gets every event at once)
         else:
             box.stage(ev)
