@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx

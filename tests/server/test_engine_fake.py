@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvserve.model.sampling import SamplingParams, log_softmax
 from kvserve.server.detok import TokenBytes
-from kvserve.server.domain import (FinishEvent, FinishReason, GenerateRequest, OutputParams,
-                                   QueueFull, ScoreRequest, StopParams, TokenEvent)
+from kvserve.server.domain import (FinishReason, GenerateRequest, OutputParams, QueueFull,
+                                   ScoreRequest, StopParams, TokenEvent)
 from kvserve.server.engine import Engine
 
 V = 64
