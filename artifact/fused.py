@@ -42,8 +42,8 @@ class Prefilled:
 
 class KVOps:
     """Device-side copies between KV buffers: ``resize`` (the slots in use keep their first
-    rows, in a buffer of another capacity) and ``copy_slot``. Two tiny graphs on the same provider, so
-    a buffer never travels through the host."""
+    rows, in a buffer of another capacity) and ``copy_slot``. Two tiny graphs on the same
+    provider, so a buffer never travels through the host."""
 
     def __init__(self, providers: list, device: str, dtype):
         self.device, self.dtype = device, np.dtype(dtype)
