@@ -5,12 +5,14 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from kvserve.model.config import ModelConfig
 
 from .manifest import CONFIG, MANIFEST
 from .providers import check_optimized_for, choose_providers, session_options
+from .rows import LogSoftmax
 
 CAPACITY_CHUNK = 128  # KV capacity grows and shrinks in whole chunks of rows
 # Buffer generations are unique across every KV cache of the process, so a cached IO binding can
@@ -38,3 +40,11 @@ class ArtifactRunner:
         check_optimized_for(self.manifest, self.providers)
         self.options = options or session_options(threads, spin)
         self.ort_seconds = 0.0  # time inside onnxruntime's runs, all calls (profiling tools)
+        self._log_softmax: LogSoftmax | None = None
+
+    def log_softmax(self, rows: np.ndarray) -> np.ndarray:
+        """Log-probabilities of logits rows (T, V) (Score), on onnxruntime with the runner's
+        thread count; its session is made on first use."""
+        if self._log_softmax is None:
+            self._log_softmax = LogSoftmax(self.options.intra_op_num_threads)
+        return self._log_softmax(rows)

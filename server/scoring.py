@@ -6,11 +6,11 @@ from typing import Generator
 
 import numpy as np
 
-from kvserve.model.sampling import log_softmax, top_n
+from kvserve.model.sampling import top_n
 
 from .domain import ScoredSequence, ScoreRequest
 
-_SCORE_BLOCK = 16  # logits rows per log-softmax call (16 x vocab floats stay in cache)
+_BLOCK_FLOATS = 1 << 22  # logits per log-softmax call (its output, 16 MB, is held beside them)
 _SCORE_GROUP = 512  # tokens per shared prefill: bigger batches fall out of cache
 
 
@@ -24,13 +24,15 @@ class _Scored:
         self.tops_i = np.zeros((T - 1, n_top), np.int64) if n_top else None
         self.tops_l = np.zeros((T - 1, n_top), np.float32) if n_top else None
 
-    def record(self, start: int, rows: np.ndarray) -> None:
-        """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1])."""
+    def record(self, start: int, rows: np.ndarray, log_softmax) -> None:
+        """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1]);
+        ``log_softmax``: the runner's, over rows (T, V)."""
         t = min(len(rows), len(self.ids) - 1 - start)
         if t <= 0:
             return
-        for a in range(0, t, _SCORE_BLOCK):  # blocks of rows that stay in cache
-            b = min(a + _SCORE_BLOCK, t)
+        block = max(1, _BLOCK_FLOATS // rows.shape[-1])
+        for a in range(0, t, block):
+            b = min(a + block, t)
             lp = log_softmax(rows[a:b])  # (b - a, V)
             target = np.asarray(self.ids[start + a + 1:start + b + 1], np.int64)
             self.lps[start + a:start + b] = lp[np.arange(b - a), target]
@@ -74,9 +76,10 @@ def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
         for start in range(0, T - 1, cap):  # one chunk per loop turn
             chunk = ids[start:min(start + cap, T - 1)]
             if start == 0 and not kw:
-                a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0])
+                a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0], lm.log_softmax)
             else:
-                a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
+                a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw),  # (t, V)
+                         lm.log_softmax)
             yield
     return [a.result() for a in acc]
 
@@ -84,4 +87,4 @@ def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
 def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored]) -> None:
     kv = lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs))
     for logits, a in zip(lm.prefill(kv, 0, seqs).logits, acc):  # (T_b, V) each
-        a.record(0, logits)
+        a.record(0, logits, lm.log_softmax)

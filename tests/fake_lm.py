@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.sampling import log_softmax
 
 _GEN = itertools.count(1)
 
@@ -58,6 +59,7 @@ class FakeCache:
 
 class FakeLM:
     kind = "fake"
+    log_softmax = staticmethod(log_softmax)  # the runners' (onnxruntime's) over rows (T, V)
     has_attention = True
     attention_ready = True
     provider = "numpy"
