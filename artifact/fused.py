@@ -26,7 +26,7 @@ from kvserve.model.config import ModelConfig
 
 from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
 from .providers import device_of
-from .spec import FUSED_SMALL_INPUTS, fused_spec_from
+from .spec import fused_spec_from
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +189,13 @@ class _Bound:
     slices bound in place, logits into a preallocated host array, and the small inputs as
     host arrays behind OrtValues. An OrtValue in host memory shares its array (a write to the
     array is the update); one on the device is refreshed from it (``update_inplace``, a few
-    bytes) before each run."""
+    bytes) before each run.
+
+    ``last``: logits for each slot's last new token only (``rows`` is set per call), where the
+    graph takes ``logits_rows``; otherwise for all S positions (``rows`` = 0..S-1, fixed)."""
 
     def __init__(self, lm: "FusedLM", sess: ort.InferenceSession, kv: DeviceKV, lo: int,
-                 n: int, S: int, attention: bool):
+                 n: int, S: int, attention: bool, last: bool):
         spec, cfg = lm.spec_for(attention), lm.cfg
         self.binding = b = sess.io_binding()
         self.ids = np.zeros((n, S), np.int64)
@@ -201,9 +204,16 @@ class _Bound:
         self.total = np.zeros((), np.int32)
         arrays = {"input_ids": self.ids, "seqlens_k": self.seqlens,
                   "query_seqlens": self.qlens, "total_sequence_length": self.total}
+        R = S
+        self.rows: np.ndarray | None = None
+        if spec.logits_rows:
+            R = 1 if last else S
+            self.rows = np.zeros((n, R), np.int64)
+            self.rows[:] = np.arange(R)  # all positions; a last-row call sets its own
+            arrays[spec.logits_rows] = self.rows
         self._refresh: list[tuple[ort.OrtValue, np.ndarray]] = []
         self._values = []  # keeps every bound OrtValue alive with the binding
-        for name in FUSED_SMALL_INPUTS:
+        for name in arrays:
             where = "cpu" if name in lm.host_inputs else lm.device
             value = ort.OrtValue.ortvalue_from_numpy(arrays[name], where, 0)
             if where != "cpu":
@@ -216,7 +226,7 @@ class _Bound:
                 ptr = kv.slot_ptr(bufs[i], lo)
                 b.bind_input(spec.past(i, k), lm.device, 0, kv_dt, shape, ptr)
                 b.bind_output(spec.present(i, k), lm.device, 0, kv_dt, shape, ptr)
-        self.logits = np.empty((n, S, cfg.vocab_size), np.float32)
+        self.logits = np.empty((n, R, cfg.vocab_size), np.float32)
         b.bind_output("logits", "cpu", 0, np.float32, list(self.logits.shape),
                       self.logits.ctypes.data)
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
@@ -286,17 +296,19 @@ class FusedLM(ArtifactRunner):
 
     # --- the one call ---------------------------------------------------------------------------
     def _run(self, kv: DeviceKV, lo: int, ids: np.ndarray, qlens: np.ndarray,
-             attention: bool, cache: bool) -> _Bound:
-        """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n)."""
+             attention: bool, cache: bool, last: bool = False) -> _Bound:
+        """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n).
+        ``last``: logits of each row's last valid token only (where the graph can)."""
         n, S = ids.shape
+        last = last and S > 1  # a step's one row is its last
         used = kv.used[lo:lo + n]
         top = int(used.max()) + S  # enough rows for every slot, whatever its qlen
         if top > kv.capacity:
             kv.ensure_capacity(top)
-        key = (attention, lo, n, S, kv.generation)
+        key = (attention, lo, n, S, kv.generation, last)
         bound = self._bound.get(key) if cache else None
         if bound is None:
-            bound = _Bound(self, self.session(attention), kv, lo, n, S, attention)
+            bound = _Bound(self, self.session(attention), kv, lo, n, S, attention, last)
             if cache:  # drop the bindings of older buffer generations (they hold them alive)
                 self._bound = {k: v for k, v in self._bound.items() if k[4] == kv.generation}
                 self._bound[key] = bound
@@ -305,6 +317,8 @@ class FusedLM(ArtifactRunner):
         np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
         bound.qlens[...] = qlens
         bound.total[...] = top if S == 1 else used.max()  # (a step: the old maximum + 1)
+        if last and bound.rows is not None:
+            np.subtract(qlens, 1, out=bound.rows[:, 0], casting="unsafe")
         bound.sync()
         t0 = time.perf_counter()
         try:
@@ -315,17 +329,24 @@ class FusedLM(ArtifactRunner):
         self.ort_seconds += time.perf_counter() - t0
         return bound
 
-    def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False
-                ) -> Prefilled:
+    def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False,
+                last: bool = False) -> Prefilled:
         """Each prompt (its first chunk, or all of it) into slots lo, lo+1, ...: the slots'
-        rows so far are their past (0 for a new sequence)."""
+        rows so far are their past (0 for a new sequence). ``last``: each prompt's logits are
+        its last token's row only (1, V) (generation; the graph skips the head elsewhere),
+        not all (T_b, V) (Score)."""
         lens = np.array([len(p) for p in prompts], np.int64)
         ids = np.zeros((len(prompts), int(lens.max())), np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
         start = kv.used[lo:lo + len(prompts)].copy()
-        bound = self._run(kv, lo, ids, lens, attention, cache=False)
-        logits = [bound.logits[b, :n] for b, n in enumerate(lens)]
+        bound = self._run(kv, lo, ids, lens, attention, cache=False, last=last)
+        if not last:
+            logits = [bound.logits[b, :n] for b, n in enumerate(lens)]
+        elif bound.logits.shape[1] == 1:  # the graph computed the last rows alone
+            logits = [bound.logits[b] for b in range(len(lens))]
+        else:  # an artifact from before logits_rows: every row was computed
+            logits = [bound.logits[b, n - 1:n] for b, n in enumerate(lens)]
         attn = None
         if attention:
             a = bound.attentions()  # L x (n, H, S, total)
@@ -333,15 +354,15 @@ class FusedLM(ArtifactRunner):
                     for b, n in enumerate(lens)]
         return Prefilled(logits, attn)
 
-    def extend(self, kv: DeviceKV, slot: int, tokens, rope_length: int | None = None
-               ) -> np.ndarray:
+    def extend(self, kv: DeviceKV, slot: int, tokens, rope_length: int | None = None,
+               last: bool = False) -> np.ndarray:
         """A chunk of one slot's tokens (chunked prefill of a long prompt or Score input) after
-        its rows so far. Returns the chunk's logits (T, V). ``rope_length`` (LongRoPE's
-        factors of a longer sequence) only means something to the portable graphs: a LongRoPE
-        model is exported portable."""
+        its rows so far. Returns the chunk's logits (T, V), or (1, V) with ``last``.
+        ``rope_length`` (LongRoPE's factors of a longer sequence) only means something to the
+        portable graphs: a LongRoPE model is exported portable."""
         if rope_length is not None and self.cfg.longrope_limit is not None:
             raise NotImplementedError("the fused graph does not carry LongRoPE")
-        return self.prefill(kv, slot, [tokens]).logits[0]
+        return self.prefill(kv, slot, [tokens], last=last).logits[0]
 
     def decode(self, kv: DeviceKV, n: int, tokens: np.ndarray, attention: bool = False
                ) -> tuple[np.ndarray, list[np.ndarray] | None]:

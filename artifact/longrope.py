@@ -59,7 +59,7 @@ class LongRopeSwitch:
         chunk = max(1, chunk)
         for a in range(0, len(tokens), chunk):
             last = lm.extend(kv, slot, np.asarray(tokens[a:a + chunk], np.int64),
-                             rope_length=length)[-1]
+                             rope_length=length, last=True)[-1]
         return last
 
     def extend(self, lm, kv, slot: int, ids: Sequence[int], start: int, chunk: int

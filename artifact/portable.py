@@ -189,9 +189,10 @@ class PortableLM(ArtifactRunner):
         L2 = 2 * self.cfg.n_layers
         return PrefillResult(outs[0], outs[1:1 + L2], outs[1 + L2:] if attention else None)
 
-    def prefill(self, kv: KVBuffers, lo: int, prompts: list, attention: bool = False
-                ) -> Prefilled:
-        """New sequences into slots lo, lo+1, ... (left-padded through the prefill graph)."""
+    def prefill(self, kv: KVBuffers, lo: int, prompts: list, attention: bool = False,
+                last: bool = False) -> Prefilled:
+        """New sequences into slots lo, lo+1, ... (left-padded through the prefill graph).
+        ``last``: each prompt's logits are its last row (1, V) (the graph computes them all)."""
         lens = [len(p) for p in prompts]
         T = max(lens)
         ids = np.full((len(prompts), T), self.cfg.pad_token_id or 0, np.int64)
@@ -202,7 +203,8 @@ class PortableLM(ArtifactRunner):
         res = self.run_prefill(ids, mask, attention=attention)
         for b, n in enumerate(lens):
             kv.load_prompt(lo + b, res.present, b, n)
-        logits = [res.logits[b, T - n:] for b, n in enumerate(lens)]
+        logits = [res.logits[b, T - 1:] if last else res.logits[b, T - n:]
+                  for b, n in enumerate(lens)]
         attn = None
         if attention:
             attn = [np.stack([a[b, :, T - n:, T - n:] for a in res.attentions])
@@ -239,11 +241,11 @@ class PortableLM(ArtifactRunner):
                                              -1) for x in a]) for b in range(n)]
         return logits[:, 0], attn
 
-    def extend(self, kv: KVBuffers, slot: int, tokens, rope_length: int | None = None
-               ) -> np.ndarray:
+    def extend(self, kv: KVBuffers, slot: int, tokens, rope_length: int | None = None,
+               last: bool = False) -> np.ndarray:
         """Feed a chunk of T tokens to one slot through the decode graph (chunked prefill of a
         long prompt or a long Score input): the slot's rows so far are the past, the chunk's
-        K/V rows are written after them. Returns the chunk's logits (T, V).
+        K/V rows are written after them. Returns the chunk's logits (T, V) (``last``: (1, V)).
 
         ``rope_length``: choose the RoPE factors as for a sequence of that many tokens (LongRoPE
         decides per row from the largest position id in the call, masked columns included): a
@@ -273,7 +275,7 @@ class PortableLM(ArtifactRunner):
             kv.v[i][slot, :, start:start + T] = outs[2 + 2 * i][0, :, :T]
         kv.mask[slot, start:start + T] = 1
         kv.used[slot] = start + T
-        return outs[0][0, :T]  # (T, V)
+        return outs[0][0, T - 1:T] if last else outs[0][0, :T]  # (T, V)
 
     def _bind_inputs(self, b, kv: KVBuffers, n: int, ids, pos) -> None:
         b.bind_cpu_input("input_ids", ids)

@@ -118,6 +118,9 @@ def _check_runtime(rt: Any, graphs: dict) -> None:
     host = rt.get("host_inputs", [])
     _need(isinstance(host, list) and len(host) <= 16 and all(isinstance(x, str) for x in host),
           "manifest.json: runtime.host_inputs must be a list of input names")
+    rows = rt.get("logits_rows")  # absent in fused artifacts exported before it existed
+    _need(rows is None or (isinstance(rows, str) and 0 < len(rows) <= 128),
+          "manifest.json: runtime.logits_rows must be an input name")
 
 
 def check_manifest(m: Any) -> dict:

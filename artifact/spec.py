@@ -96,8 +96,12 @@ FUSED_LAYOUT = "shared_buffer"  # past and present are one (B, Hkv, capacity, D)
 @dataclass(frozen=True)
 class FusedSpec:
     """Names of the fused graph's I/O; ``%d`` is the layer. ``attention``: the diagnostics
-    variant (GroupQueryAttention's ``qk_output``: probabilities per layer)."""
+    variant (GroupQueryAttention's ``qk_output``: probabilities per layer). ``logits_rows``:
+    the input (B, R) naming which of each row's S positions get logits (R of them, in that
+    order): a prefill asks for its last row only, Score for all; None in artifacts exported
+    before it existed (their logits are (B, S, V), every position)."""
     attention: bool = False
+    logits_rows: str | None = "logits_rows"
     past_key: str = "past_key_values.%d.key"
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
@@ -122,8 +126,8 @@ class FusedSpec:
         return self.attn_weights % i
 
     def input_names(self, cfg: ModelConfig) -> list[str]:
-        return [*FUSED_SMALL_INPUTS] + [self.past(i, kv) for i in range(cfg.n_layers)
-                                        for kv in ("key", "value")]
+        return [*FUSED_SMALL_INPUTS, *([self.logits_rows] if self.logits_rows else [])] + [
+            self.past(i, kv) for i in range(cfg.n_layers) for kv in ("key", "value")]
 
     def output_names(self, cfg: ModelConfig) -> list[str]:
         names = ["logits"] + [self.present(i, kv) for i in range(cfg.n_layers)
@@ -140,11 +144,14 @@ class FusedSpec:
             "query_seqlens": {"dtype": "int32", "shape": ["batch_size"]},
             "total_sequence_length": {"dtype": "int32", "shape": []},
         }
+        rows = "sequence_length"
+        if self.logits_rows:
+            rows = "logits_rows"
+            io[self.logits_rows] = {"dtype": "int64", "shape": ["batch_size", rows]}
         for i in range(cfg.n_layers):
             for k in ("key", "value"):
                 io[self.past(i, k)] = {"dtype": kv_dtype, "shape": kv}
-        io["logits"] = {"dtype": "float32",
-                        "shape": ["batch_size", "sequence_length", cfg.vocab_size]}
+        io["logits"] = {"dtype": "float32", "shape": ["batch_size", rows, cfg.vocab_size]}
         for i in range(cfg.n_layers):
             for k in ("key", "value"):
                 io[self.present(i, k)] = {"dtype": kv_dtype, "shape": kv}
@@ -177,6 +184,7 @@ def runtime_section(kind: str, cfg: ModelConfig, graphs: dict[str, str],
                  "attn_weights": "attn_weights.%d"}
         layout = PRESENT_LAYOUT
     return {"kind": kind, "graphs": graphs, "names": names,
+            **({"logits_rows": spec.logits_rows} if kind == FUSED else {}),
             "host_inputs": list(FUSED_HOST_INPUTS) if kind == FUSED else [],
             "kv": {"layout": layout, "dtype": kv_dtype, "num_layers": cfg.n_layers,
                    "num_kv_heads": cfg.n_kv_heads, "head_size": cfg.head_dim},
@@ -188,4 +196,4 @@ def fused_spec_from(runtime: dict[str, Any], attention: bool) -> FusedSpec:
     n = runtime["names"]
     return FusedSpec(attention=attention, past_key=n["past_key"], past_value=n["past_value"],
                      present_key=n["present_key"], present_value=n["present_value"],
-                     attn_weights=n["attn_weights"])
+                     attn_weights=n["attn_weights"], logits_rows=runtime.get("logits_rows"))

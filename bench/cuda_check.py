@@ -54,7 +54,7 @@ def teacher_forced(ref, dev, prompts: np.ndarray, steps: int) -> dict:
 def greedy(lm, prompts: np.ndarray, steps: int) -> np.ndarray:
     B = len(prompts)
     kv = lm.new_cache(B)
-    tok = np.array([x[-1].argmax() for x in lm.prefill(kv, 0, list(prompts)).logits])
+    tok = np.array([x[-1].argmax() for x in lm.prefill(kv, 0, list(prompts), last=True).logits])
     out = [tok]
     for _ in range(steps - 1):
         tok = lm.decode(kv, B, tok)[0].argmax(-1)

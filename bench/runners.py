@@ -95,7 +95,7 @@ class LoopRunner(Runner):
         """Prefill ``prompts`` (B, P) into a new cache of ``capacity`` rows: (cache, the
         greedy first tokens (B,))."""
         kv = self.lm.new_cache(len(prompts), capacity=capacity)
-        res = self.lm.prefill(kv, 0, list(prompts))
+        res = self.lm.prefill(kv, 0, list(prompts), last=True)
         return kv, np.array([x[-1].argmax() for x in res.logits], np.int64)
 
     def generate(self, prompts, n, times: list | None = None):

@@ -14,9 +14,11 @@ soft-capping as graph ops (``fused_ops``).
 
 I/O (``kvserve.artifact.spec.fused_io``): ``input_ids`` (B, S) right-padded; ``seqlens_k`` (B,)
 = tokens in the cache after this call - 1; ``query_seqlens`` (B,) = valid tokens of this call;
-``total_sequence_length`` () = max over the batch of seqlens_k + 1; the KV buffers (B, Hkv, C,
-D). Row b's new tokens sit at cache rows [P, T) with T = seqlens_k + 1, P = T - query_seqlens,
-and at positions P.. (a slot holds real tokens only, so row index == position).
+``total_sequence_length`` () = max over the batch of seqlens_k + 1; ``logits_rows`` (B, R) = the
+positions of each row whose logits are computed (a prefill: its last, Score: all); the KV
+buffers (B, Hkv, C, D). Row b's new tokens sit at cache rows [P, T) with T = seqlens_k + 1,
+P = T - query_seqlens, and at positions P.. (a slot holds real tokens only, so row index ==
+position).
 
 What the op cannot express (``unsupported``) is exported as the portable graph instead.
 """
@@ -97,6 +99,9 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
         helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["batch_size"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
     ]
+    if spec.logits_rows:
+        graph_inputs.append(helper.make_tensor_value_info(spec.logits_rows, TensorProto.INT64,
+                                                          ["batch_size", "logits_rows"]))
     kv_shape = ["batch_size", Hkv, "max_cache_length", D]
     for i in range(L):
         for kv in ("key", "value"):
@@ -170,8 +175,11 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
             x = b.one("Add", [delta, residual])
     else:
         x = norm(residual, "norm_f") if cfg.final_norm else residual
+    if spec.logits_rows:  # only the rows asked for go through the head (a prefill: its last)
+        rows = b.one("Unsqueeze", [spec.logits_rows, b.i64("const.axis_last", [-1])])  # (B, R, 1)
+        x = b.one("GatherND", [x, rows], batch_dims=1)  # (B, R, C)
     lm_head = W.get("lm_head.weight", W["tok_emb.weight"])
-    logits = b.one("MatMul", [x, b.init("lm_head.weight.T", lm_head.T)])  # (B, S, V)
+    logits = b.one("MatMul", [x, b.init("lm_head.weight.T", lm_head.T)])  # (B, R, V)
     if dtype != np.float32:
         logits = b.one("Cast", [logits], to=TensorProto.FLOAT)
     if cfg.final_softcap is not None:
@@ -179,7 +187,8 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
     b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
 
     graph_outputs = [helper.make_tensor_value_info(
-        "logits", TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size])]
+        "logits", TensorProto.FLOAT,
+        ["batch_size", "logits_rows" if spec.logits_rows else "sequence_length", cfg.vocab_size])]
     for i in range(L):
         for kv in ("key", "value"):
             graph_outputs.append(helper.make_tensor_value_info(spec.present(i, kv), T_FLOAT,

@@ -347,7 +347,7 @@ class Engine:
         lens = [min(len(s.req.prompt_ids), self.chunk_tokens) for s in group]
         lo = len(self.active)  # the group takes the next free slots, in order
         res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
-                              attention=attention)
+                              attention=attention, last=True)  # (1, V) each: the last row
         for b, (seq, n) in enumerate(zip(group, lens)):
             self.active.append(seq)
             if n < len(seq.req.prompt_ids):
@@ -362,7 +362,7 @@ class Engine:
                 rows = [(layer, h, res.attention[b][layer, h, n - 1])
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self._on_logits(seq, res.logits[b][n - 1], rows)
+            self._on_logits(seq, res.logits[b][-1], rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
@@ -374,7 +374,7 @@ class Engine:
                 return last
         for a in range(start, len(ids), self.chunk_tokens):
             chunk = np.asarray(ids[a:a + self.chunk_tokens], np.int64)
-            last = self.lm.extend(self.kv, slot, chunk)[-1]  # (T, V) -> (V,)
+            last = self.lm.extend(self.kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
 
     # --- decoding ------------------------------------------------------------------------------

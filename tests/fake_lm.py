@@ -108,16 +108,17 @@ class FakeLM:
         kv.used[slot] = start + len(tokens)
         return np.stack([self.logits_at(int(t), start + i) for i, t in enumerate(tokens)])
 
-    def prefill(self, kv: FakeCache, lo: int, prompts, attention: bool = False) -> Prefilled:
+    def prefill(self, kv: FakeCache, lo: int, prompts, attention: bool = False,
+                last: bool = False) -> Prefilled:
         self.calls["prefill"] += 1
-        logits = [self._feed(kv, lo + b, p) for b, p in enumerate(prompts)]
+        logits = [self._feed(kv, lo + b, p)[-1 if last else 0:] for b, p in enumerate(prompts)]
         attn = [self._attn(int(kv.used[lo + b]), len(p)) for b, p in enumerate(prompts)] \
             if attention else None
         return Prefilled(logits, attn)
 
-    def extend(self, kv: FakeCache, slot: int, tokens) -> np.ndarray:
+    def extend(self, kv: FakeCache, slot: int, tokens, last: bool = False) -> np.ndarray:
         self.calls["extend"] += 1
-        return self._feed(kv, slot, tokens)
+        return self._feed(kv, slot, tokens)[-1 if last else 0:]
 
     def decode(self, kv: FakeCache, n: int, tokens, attention: bool = False):
         self.calls["decode"] += 1

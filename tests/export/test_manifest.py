@@ -105,8 +105,11 @@ def test_graph_io_names_and_shapes(art, manifest, kind):
         seq = "sequence_length"  # decode takes 1 token per step or a chunk
         io = g["io"]
         assert io["input_ids"]["shape"] == ["batch_size", seq]
-        assert io["logits"]["shape"] == ["batch_size", seq, cfg.vocab_size]
+        rows = "logits_rows" if kind == "fused" else seq  # fused: the positions asked for
+        assert io["logits"]["shape"] == ["batch_size", rows, cfg.vocab_size]
         if kind == "fused":
+            assert manifest["runtime"]["logits_rows"] == "logits_rows"
+            assert io["logits_rows"] == {"dtype": "int64", "shape": ["batch_size", rows]}
             assert io["seqlens_k"] == io["query_seqlens"] == {"dtype": "int32",
                                                               "shape": ["batch_size"]}
             assert io["total_sequence_length"] == {"dtype": "int32", "shape": []}
