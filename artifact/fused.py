@@ -276,6 +276,12 @@ class FusedLM(ArtifactRunner):
         return self._attention_graph
 
     @property
+    def last_rows(self) -> bool:
+        """Whether ``prefill(last=True)`` computes the last rows' logits alone (an artifact
+        with ``logits_rows``), so that a prefill chunk holds no chunk x vocab logits."""
+        return self._specs[False].logits_rows is not None
+
+    @property
     def attention_ready(self) -> bool:
         """Whether the diagnostics session is loaded (it loads on the first call that asks)."""
         return True in self._sessions

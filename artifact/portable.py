@@ -163,6 +163,8 @@ class PortableLM(ArtifactRunner):
         self.attn_names = [names["attn_weights"] % i for i in range(L)]
         self._bound: dict[tuple, tuple] = {}
 
+    last_rows = False  # the graphs compute every row's logits (prefill(last=True) slices)
+
     @property
     def has_attention(self) -> bool:
         return "decode_attn" in self.sessions

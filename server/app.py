@@ -108,6 +108,7 @@ class App:
         self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
                              max_queue=self.cfg.max_queue,
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
+                             prefill_chunk_tokens=self.cfg.prefill_chunk_tokens,
                              request_time_limit=self.cfg.request_time_limit,
                              metrics=self.metrics, eos_ids=tuple(self.eos_ids),
                              stream_interval=self.cfg.stream_interval_ms / 1000)

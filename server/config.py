@@ -87,6 +87,12 @@ class ServerConfig:
                                               "through the decode graph in chunks of as many "
                                               "tokens",
                                    limit="not an error: longer inputs are prefilled in chunks")
+    prefill_chunk_tokens: int = _opt(512, "prompt tokens per prefill call at least, where the "
+                                          "artifact computes logits for the last position "
+                                          "only (fused): a large vocabulary does not shrink "
+                                          "the chunks below this",
+                                     limit="not an error: longer prompts are prefilled in "
+                                           "chunks")
     max_temperature: float = _opt(100.0, "upper bound of temperature",
                                   limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
     max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",
@@ -147,6 +153,8 @@ class ServerConfig:
         for name in ("max_stop_strings", "max_stop_token_ids", "max_top_logprobs",
                      "max_logits_floats", "max_attention_floats", "max_concurrent_rpcs"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0")
+        need(1 <= self.prefill_chunk_tokens <= 65_536,
+             "prefill_chunk_tokens must be in [1, 65536]")
         need(self.max_temperature > 0, "max_temperature must be > 0")
         need(self.max_repetition_penalty >= 1, "max_repetition_penalty must be >= 1")
         need(self.max_abs_penalty >= 0, "max_abs_penalty must be >= 0")

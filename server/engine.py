@@ -13,10 +13,12 @@ Each loop iteration:
   5. advance each Score job by one model call.
 No request waits for another to finish: a new request joins at the next iteration.
 
-A prompt whose prefill logits (T x vocab) would pass ``score_chunk_floats`` is prefilled up to
-that many tokens and the rest in chunks of as many after it (``extend``);
-with attention diagnostics asked for, the rest goes through the shared decode steps instead,
-which carry the attention rows.
+A long prompt is prefilled in chunks (``extend`` after the first). Their size: as many tokens
+as keep a chunk's logits (T x vocab) under ``score_chunk_floats`` where the runner returns every
+row's logits (portable artifacts), and at least ``prefill_chunk_tokens`` where it returns the
+last row's only (fused). With attention diagnostics asked for, the rest of the prompt after
+the first (logits-sized) chunk goes through the shared decode steps instead, which carry the
+attention rows.
 """
 from __future__ import annotations
 
@@ -122,12 +124,18 @@ class _ScoreJob:
 class Engine:
     def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
-                 metrics=None, eos_ids: Sequence[int] = (), stream_interval: float = 0.0):
+                 metrics=None, eos_ids: Sequence[int] = (), stream_interval: float = 0.0,
+                 prefill_chunk_tokens: int = 0):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
         # tokens per prefill chunk: their logits (chunk x vocab) stay under score_chunk_floats
         self.chunk_tokens = max(1, score_chunk_floats // self.cfg.vocab_size)
+        # tokens per generation prefill call: a runner that returns the last row's logits
+        # only holds no chunk x vocab logits, so a large vocabulary does not make the chunks
+        # (each a pass over the weights) small; at least prefill_chunk_tokens then
+        self.prefill_tokens = max(self.chunk_tokens, prefill_chunk_tokens) if lm.last_rows \
+            else self.chunk_tokens
         self.eos_id = eos_id
         # every id that ends a sequence (Llama 3's generation config lists three)
         self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
@@ -229,8 +237,8 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d",
-                 self.max_batch, self.max_queue, self.chunk_tokens)
+        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d (prefill %d)",
+                 self.max_batch, self.max_queue, self.chunk_tokens, self.prefill_tokens)
         while True:
             with self._cond:
                 while not self._stop and not self.active and not self._waiting \
@@ -329,12 +337,13 @@ class Engine:
         # room for every admitted request's prompt and new tokens (the fused cache grows now,
         # once, instead of copying its buffers in the middle of decoding)
         self.kv.reserve(max(self._rows(s) for s in (*self.active, *seqs)))
-        # batched prefill of the plain ones, grouped so that B x T x V stays under the cap
-        plain.sort(key=lambda s: min(len(s.req.prompt_ids), self.chunk_tokens))
+        # batched prefill of the plain ones, grouped so that B x T stays under the chunk
+        chunk = self.prefill_tokens
+        plain.sort(key=lambda s: min(len(s.req.prompt_ids), chunk))
         group: list[_Seq] = []
         for seq in plain:
-            t = min(len(seq.req.prompt_ids), self.chunk_tokens)
-            if group and (len(group) + 1) * t > self.chunk_tokens:
+            t = min(len(seq.req.prompt_ids), chunk)
+            if group and (len(group) + 1) * t > chunk:
                 self._prefill(group, attention=False)
                 group = []
             group.append(seq)
@@ -344,7 +353,9 @@ class Engine:
             self._prefill([seq], attention=True)
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
-        lens = [min(len(s.req.prompt_ids), self.chunk_tokens) for s in group]
+        # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
+        chunk = self.chunk_tokens if attention else self.prefill_tokens
+        lens = [min(len(s.req.prompt_ids), chunk) for s in group]
         lo = len(self.active)  # the group takes the next free slots, in order
         res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
@@ -365,15 +376,14 @@ class Engine:
             self._on_logits(seq, res.logits[b][-1], rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
-        """Chunked prefill: feed ids[start:] to ``slot`` in chunks whose logits stay under the
-        cap (through the decode graph with the slot's rows as the past). Returns the last
-        row of logits (V,)."""
+        """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens``
+        after the slot's rows so far. Returns the last row of logits (V,)."""
         if self.longrope is not None:  # a prompt past its limit: long factors from row 0
             last = self.longrope.extend(self.lm, self.kv, slot, ids, start, self.chunk_tokens)
             if last is not None:
                 return last
-        for a in range(start, len(ids), self.chunk_tokens):
-            chunk = np.asarray(ids[a:a + self.chunk_tokens], np.int64)
+        for a in range(start, len(ids), self.prefill_tokens):
+            chunk = np.asarray(ids[a:a + self.prefill_tokens], np.int64)
             last = self.lm.extend(self.kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
 

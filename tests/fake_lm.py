@@ -63,6 +63,7 @@ class FakeLM:
     has_attention = True
     attention_ready = True
     provider = "numpy"
+    last_rows = False  # as a portable runner (a test may set it: chunks sized as for fused)
 
     def __init__(self, vocab_size: int = 64, n_layers: int = 2, n_heads: int = 2,
                  max_seq_len: int = 256, eos_token_id: int | None = None, seed: int = 0,

@@ -81,6 +81,30 @@ def test_long_prompt_is_prefilled_in_chunks(make_engine):
     assert lm.calls["extend"] == 3  # 29 tokens: 8 prefilled, then 8 + 8 + 5
 
 
+def test_prefill_chunks_where_only_last_rows_are_computed(make_engine):
+    """A runner that returns the last row's logits only (fused) holds no chunk x vocab
+    logits: its prompts are prefilled in chunks of prefill_chunk_tokens however small the
+    logits cap makes Score's (8 tokens here); a runner that returns every row keeps the cap."""
+    prompt = list(range(1, 30))
+    lm = FakeLM(V)
+    lm.last_rows = True
+    engine, _ = make_engine(lm, score_chunk_floats=V * 8, prefill_chunk_tokens=16)
+    assert engine.chunk_tokens == 8 and engine.prefill_tokens == 16
+    toks, _ = _collect(engine.submit(_req(prompt, 5)))
+    assert toks == lm.reference(prompt, 5)
+    assert lm.calls["extend"] == 1  # 29 tokens: 16 prefilled, then 13
+    # four 5-token prompts admitted together: 3 x 5 <= 16 share a prefill, then the fourth
+    hs = engine.submit_many([_req([i + 1, 2, 3, 4, 5], 2) for i in range(4)])
+    for i, h in enumerate(hs):
+        assert _collect(h)[0] == lm.reference([i + 1, 2, 3, 4, 5], 2)
+    assert lm.calls["prefill"] == 1 + 2
+
+    engine, lm = make_engine(score_chunk_floats=V * 8, prefill_chunk_tokens=16)  # all rows
+    assert engine.prefill_tokens == 8
+    _collect(engine.submit(_req(prompt, 5)))
+    assert lm.calls["extend"] == 3
+
+
 def test_queue_full_and_cancellation(make_engine):
     engine, lm = make_engine(FakeLM(V, step_delay=0.002), max_batch=1, max_queue=1)
     first = engine.submit(_req([1], 1000))

@@ -215,6 +215,9 @@ def test_server_config_flags_env_and_bounds():
     assert ServerConfig.from_args(p.parse_args([]), environ={}).port == 50051
     with pytest.raises(ValueError, match="max_batch"):
         ServerConfig.from_args(p.parse_args(["--max-batch", "0"]), environ={})
+    for bad in ("0", "65537"):
+        with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+            ServerConfig.from_args(p.parse_args(["--prefill-chunk-tokens", bad]), environ={})
     with pytest.raises(ValueError, match="KVSERVE_THREADS"):
         ServerConfig.from_args(p.parse_args([]), environ={"KVSERVE_THREADS": "many"})
     assert "s3" not in str(ServerConfig(auth_token="s3").public_dict())

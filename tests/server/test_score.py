@@ -62,12 +62,12 @@ def test_score_invalid(stub, req, msg):
 
 
 def test_chunked_prefill_for_score_and_generate(artifact):
-    """With a logits cap of 8 tokens x vocab, Score and Generate prefill 8 tokens and feed the
-    rest in chunks of 8 through the decode graph: same numbers as torch, never a (T, V) array
-    beyond the cap."""
+    """With a logits cap of 8 tokens x vocab (and generation prefill chunks of 8), Score and
+    Generate prefill 8 tokens and feed the rest in chunks of 8 through the decode graph: same
+    numbers as torch, never a (T, V) array beyond the cap."""
     V = artifact.cfg.vocab_size
-    with running_app(artifact, score_chunk_floats=8 * V) as app:
-        assert app.engine.chunk_tokens == 8
+    with running_app(artifact, score_chunk_floats=8 * V, prefill_chunk_tokens=8) as app:
+        assert app.engine.chunk_tokens == app.engine.prefill_tokens == 8
         ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         stub = pb_grpc.InferenceStub(ch)
         seqs = [list(range(3, 60)), [7, 8, 9], list(range(100, 120))]
