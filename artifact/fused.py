@@ -216,7 +216,7 @@ class _Bound:
         for name in arrays:
             where = "cpu" if name in lm.host_inputs else lm.device
             value = ort.OrtValue.ortvalue_from_numpy(arrays[name], where, 0)
-            if where != "cpu":
+            if where != "cpu" and (name != spec.logits_rows or last):  # (all rows: fixed)
                 self._refresh.append((value, arrays[name]))
             self._values.append(value)
             b.bind_ortvalue_input(name, value)

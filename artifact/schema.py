@@ -17,6 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .spec import FUSED_SMALL_INPUTS
+
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 256 << 10
 MAX_DEPTH = 12  # the manifest nests 5 deep (graphs.<name>.io.<tensor>.shape)
@@ -119,8 +121,13 @@ def _check_runtime(rt: Any, graphs: dict) -> None:
     _need(isinstance(host, list) and len(host) <= 16 and all(isinstance(x, str) for x in host),
           "manifest.json: runtime.host_inputs must be a list of input names")
     rows = rt.get("logits_rows")  # absent in fused artifacts exported before it existed
-    _need(rows is None or (isinstance(rows, str) and 0 < len(rows) <= 128),
-          "manifest.json: runtime.logits_rows must be an input name")
+    if rows is not None:
+        main = next((g for g in graphs.values() if isinstance(g, dict)
+                     and g.get("file") == roles.get("main")), None)
+        inputs = main.get("inputs") if isinstance(main, dict) else None
+        _need(isinstance(rows, str) and rows not in FUSED_SMALL_INPUTS
+              and isinstance(inputs, list) and rows in inputs,
+              "manifest.json: runtime.logits_rows must be an input name of the main graph")
 
 
 def check_manifest(m: Any) -> dict:

@@ -82,15 +82,18 @@ class ServerConfig:
     max_score_tokens: int = _opt(65_536, "tokens per Score call, all sequences together",
                                  limit="INVALID_ARGUMENT (also: tokens per Detokenize "
                                        "sequence, 4x per Detokenize call)")
-    score_chunk_floats: int = _opt(8_000_000, "logits floats held at once (prefill chunk x "
-                                              "vocab): longer prompts and Score inputs go "
-                                              "through the decode graph in chunks of as many "
-                                              "tokens",
+    score_chunk_floats: int = _opt(8_000_000, "floats held at once: Score inputs, and prompts "
+                                              "of artifacts that compute every position's "
+                                              "logits (portable), go through the model in "
+                                              "chunks whose logits (chunk x vocab) stay under "
+                                              "it; a fused prefill chunk's attention scores "
+                                              "(chunk x heads x cache rows) do",
                                    limit="not an error: longer inputs are prefilled in chunks")
-    prefill_chunk_tokens: int = _opt(512, "prompt tokens per prefill call at least, where the "
-                                          "artifact computes logits for the last position "
-                                          "only (fused): a large vocabulary does not shrink "
-                                          "the chunks below this",
+    prefill_chunk_tokens: int = _opt(512, "prompt tokens per prefill call, where the artifact "
+                                          "computes logits for the last position only "
+                                          "(fused), as far as score_chunk_floats allows the "
+                                          "attention scores; it never makes chunks smaller "
+                                          "than the logits cap's",
                                      limit="not an error: longer prompts are prefilled in "
                                            "chunks")
     max_temperature: float = _opt(100.0, "upper bound of temperature",

@@ -131,11 +131,12 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         # tokens per prefill chunk: their logits (chunk x vocab) stay under score_chunk_floats
         self.chunk_tokens = max(1, score_chunk_floats // self.cfg.vocab_size)
-        # tokens per generation prefill call: a runner that returns the last row's logits
-        # only holds no chunk x vocab logits, so a large vocabulary does not make the chunks
-        # (each a pass over the weights) small; at least prefill_chunk_tokens then
-        self.prefill_tokens = max(self.chunk_tokens, prefill_chunk_tokens) if lm.last_rows \
-            else self.chunk_tokens
+        # tokens per generation prefill call (prefill_tokens(), after the cache has its
+        # rows): a runner that returns the last row's logits only holds no chunk x vocab
+        # logits, so a large vocabulary need not make the chunks (each a pass over the
+        # weights) small
+        self.score_chunk_floats = score_chunk_floats
+        self.prefill_chunk_tokens = prefill_chunk_tokens if lm.last_rows else 0
         self.eos_id = eos_id
         # every id that ends a sequence (Llama 3's generation config lists three)
         self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
@@ -237,8 +238,9 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d (prefill %d)",
-                 self.max_batch, self.max_queue, self.chunk_tokens, self.prefill_tokens)
+        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d (prefill up to "
+                 "%d)", self.max_batch, self.max_queue, self.chunk_tokens,
+                 max(self.chunk_tokens, self.prefill_chunk_tokens))
         while True:
             with self._cond:
                 while not self._stop and not self.active and not self._waiting \
@@ -338,7 +340,7 @@ class Engine:
         # once, instead of copying its buffers in the middle of decoding)
         self.kv.reserve(max(self._rows(s) for s in (*self.active, *seqs)))
         # batched prefill of the plain ones, grouped so that B x T stays under the chunk
-        chunk = self.prefill_tokens
+        chunk = self.prefill_tokens()
         plain.sort(key=lambda s: min(len(s.req.prompt_ids), chunk))
         group: list[_Seq] = []
         for seq in plain:
@@ -354,7 +356,7 @@ class Engine:
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
-        chunk = self.chunk_tokens if attention else self.prefill_tokens
+        chunk = self.chunk_tokens if attention else self.prefill_tokens()
         lens = [min(len(s.req.prompt_ids), chunk) for s in group]
         lo = len(self.active)  # the group takes the next free slots, in order
         res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
@@ -375,15 +377,25 @@ class Engine:
                         for h in seq.req.output.attention_heads]
             self._on_logits(seq, res.logits[b][-1], rows)
 
+    def prefill_tokens(self) -> int:
+        """Tokens per generation prefill call. ``chunk_tokens`` (the logits cap) where the
+        runner computes every row's logits; where it computes the last row's only, up to
+        ``prefill_chunk_tokens`` as long as the call's attention scores stay under the same
+        cap: onnxruntime's CPU GroupQueryAttention holds chunk x heads x cache-rows floats."""
+        by_scores = self.score_chunk_floats // (self.cfg.n_heads * max(1, self.kv.capacity))
+        return max(self.chunk_tokens, min(self.prefill_chunk_tokens, by_scores))
+
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
-        """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens``
-        after the slot's rows so far. Returns the last row of logits (V,)."""
+        """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``
+        (LongRoPE's portable runner: of ``chunk_tokens``) after the slot's rows so far.
+        Returns the last row of logits (V,)."""
         if self.longrope is not None:  # a prompt past its limit: long factors from row 0
             last = self.longrope.extend(self.lm, self.kv, slot, ids, start, self.chunk_tokens)
             if last is not None:
                 return last
-        for a in range(start, len(ids), self.prefill_tokens):
-            chunk = np.asarray(ids[a:a + self.prefill_tokens], np.int64)
+        step = self.prefill_tokens()
+        for a in range(start, len(ids), step):
+            chunk = np.asarray(ids[a:a + step], np.int64)
             last = self.lm.extend(self.kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
 

@@ -84,12 +84,15 @@ def test_long_prompt_is_prefilled_in_chunks(make_engine):
 def test_prefill_chunks_where_only_last_rows_are_computed(make_engine):
     """A runner that returns the last row's logits only (fused) holds no chunk x vocab
     logits: its prompts are prefilled in chunks of prefill_chunk_tokens however small the
-    logits cap makes Score's (8 tokens here); a runner that returns every row keeps the cap."""
+    logits cap makes Score's (8 tokens of a 2,048 vocabulary here), as long as the chunk's
+    attention scores (chunk x heads x cache rows) stay under the same cap; a runner that
+    returns every row keeps the logits-sized chunks."""
+    big = 2048
     prompt = list(range(1, 30))
-    lm = FakeLM(V)
+    lm = FakeLM(big)
     lm.last_rows = True
-    engine, _ = make_engine(lm, score_chunk_floats=V * 8, prefill_chunk_tokens=16)
-    assert engine.chunk_tokens == 8 and engine.prefill_tokens == 16
+    engine, _ = make_engine(lm, score_chunk_floats=big * 8, prefill_chunk_tokens=16)
+    assert engine.chunk_tokens == 8 and engine.prefill_tokens() == 16  # 16 x 2 x 128 rows
     toks, _ = _collect(engine.submit(_req(prompt, 5)))
     assert toks == lm.reference(prompt, 5)
     assert lm.calls["extend"] == 1  # 29 tokens: 16 prefilled, then 13
@@ -99,8 +102,14 @@ def test_prefill_chunks_where_only_last_rows_are_computed(make_engine):
         assert _collect(h)[0] == lm.reference([i + 1, 2, 3, 4, 5], 2)
     assert lm.calls["prefill"] == 1 + 2
 
-    engine, lm = make_engine(score_chunk_floats=V * 8, prefill_chunk_tokens=16)  # all rows
-    assert engine.prefill_tokens == 8
+    capacity = engine.kv.capacity
+    engine.kv.capacity = 2048  # 16 x 2 heads x 2048 rows would pass the cap: 8 again
+    assert engine.prefill_tokens() == 8
+    engine.kv.capacity = capacity
+
+    engine, lm = make_engine(FakeLM(big), score_chunk_floats=big * 8,
+                             prefill_chunk_tokens=16)  # all rows
+    assert engine.prefill_tokens() == 8
     _collect(engine.submit(_req(prompt, 5)))
     assert lm.calls["extend"] == 3
 

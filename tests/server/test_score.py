@@ -67,7 +67,7 @@ def test_chunked_prefill_for_score_and_generate(artifact):
     numbers as torch, never a (T, V) array beyond the cap."""
     V = artifact.cfg.vocab_size
     with running_app(artifact, score_chunk_floats=8 * V, prefill_chunk_tokens=8) as app:
-        assert app.engine.chunk_tokens == app.engine.prefill_tokens == 8
+        assert app.engine.chunk_tokens == app.engine.prefill_tokens() == 8
         ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         stub = pb_grpc.InferenceStub(ch)
         seqs = [list(range(3, 60)), [7, 8, 9], list(range(100, 120))]
