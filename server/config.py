@@ -18,6 +18,32 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# (field, lowest, highest) of the numeric settings not checked on their own in validate()
+_BOUNDS = (
+    ("threads", 0, 1024),
+    ("max_context", 0, 10_000_000),
+    ("max_new_tokens", 1, 10_000_000),
+    ("max_prompt_chars", 1, 1_000_000_000),
+    ("max_stop_strings", 0, 1024),
+    ("max_stop_string_chars", 1, 65_536),
+    ("max_stop_token_ids", 0, 65_536),
+    ("max_top_logprobs", 0, 1024),
+    ("max_logits_floats", 0, 1_000_000_000),
+    ("max_attention_floats", 0, 1_000_000_000),
+    ("max_score_sequences", 1, 100_000),
+    ("max_score_tokens", 1, 100_000_000),
+    ("score_chunk_floats", 1, 1_000_000_000),
+    ("prefill_chunk_tokens", 1, 65_536),
+    ("max_temperature", 0, 1e6),
+    ("max_repetition_penalty", 1, 1e6),
+    ("max_abs_penalty", 0, 1e6),
+    ("request_time_limit", 0, 7 * 86_400),
+    ("stream_interval_ms", 0, 1000),
+    ("max_concurrent_rpcs", 0, 100_000),
+    ("drain_grace", 0, 86_400),
+)
+
+
 @dataclass
 class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
@@ -143,27 +169,14 @@ class ServerConfig:
              "max_http_body_bytes must be in [1024, 1073741824]")
         need(-1 <= self.metrics_port <= 65535, "metrics_port must be in [-1, 65535]")
         need(self.provider in ("auto", "cpu", "cuda"), "provider must be auto, cpu or cuda")
-        need(self.threads >= 0, "threads must be >= 0")
         need(1 <= self.max_batch <= 1024, "max_batch must be in [1, 1024]")
         need(0 <= self.max_queue <= 100_000, "max_queue must be in [0, 100000]")
-        need(self.max_context >= 0, "max_context must be >= 0")
-        need(1 <= self.max_new_tokens, "max_new_tokens must be >= 1")
         need(1 <= self.default_max_new_tokens <= self.max_new_tokens,
              "default_max_new_tokens must be in [1, max_new_tokens]")
-        for name in ("max_prompt_chars", "max_stop_string_chars", "max_score_sequences",
-                     "max_score_tokens", "score_chunk_floats"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1")
-        for name in ("max_stop_strings", "max_stop_token_ids", "max_top_logprobs",
-                     "max_logits_floats", "max_attention_floats", "max_concurrent_rpcs"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0")
-        need(1 <= self.prefill_chunk_tokens <= 65_536,
-             "prefill_chunk_tokens must be in [1, 65536]")
+        for name, lo, hi in _BOUNDS:  # every other number: a floor and a ceiling
+            v = getattr(self, name)
+            need(lo <= v <= hi, f"{name} must be in [{lo}, {hi}]")
         need(self.max_temperature > 0, "max_temperature must be > 0")
-        need(self.max_repetition_penalty >= 1, "max_repetition_penalty must be >= 1")
-        need(self.max_abs_penalty >= 0, "max_abs_penalty must be >= 0")
-        need(self.request_time_limit >= 0, "request_time_limit must be >= 0")
-        need(0 <= self.stream_interval_ms <= 1000, "stream_interval_ms must be in [0, 1000]")
-        need(self.drain_grace >= 0, "drain_grace must be >= 0")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
         need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
                                                   "covers the manifest, verify the files)")

@@ -218,6 +218,16 @@ def test_server_config_flags_env_and_bounds():
     for bad in ("0", "65537"):
         with pytest.raises(ValueError, match="prefill_chunk_tokens"):
             ServerConfig.from_args(p.parse_args(["--prefill-chunk-tokens", bad]), environ={})
+    # every numeric setting has a ceiling as well as a floor
+    import dataclasses
+
+    from kvserve.server.config import _BOUNDS
+    assert {f.name for f in dataclasses.fields(ServerConfig) if f.type in ("int", "float")} \
+        >= {name for name, _, _ in _BOUNDS}
+    for name, lo, hi in _BOUNDS:
+        for bad in (lo - 1, hi * 2 + 1):
+            with pytest.raises(ValueError, match=name):
+                ServerConfig(**{name: type(getattr(ServerConfig(), name))(bad)}).validate()
     with pytest.raises(ValueError, match="KVSERVE_THREADS"):
         ServerConfig.from_args(p.parse_args([]), environ={"KVSERVE_THREADS": "many"})
     assert "s3" not in str(ServerConfig(auth_token="s3").public_dict())
