@@ -18,8 +18,18 @@ def _opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
-# (field, lowest, highest) of the numeric settings not checked on their own in validate()
+# (field, lowest, highest) of every numeric setting but two that validate() checks on their
+# own: max_temperature (above 0) and default_max_new_tokens (up to max_new_tokens)
 _BOUNDS = (
+    ("port", 0, 65535),
+    ("http_port", -1, 65535),
+    ("metrics_port", -1, 65535),
+    ("max_chat_messages", 1, 100_000),
+    ("max_chat_chars", 1, 100_000_000),
+    ("max_n", 1, 128),
+    ("max_http_body_bytes", 1024, 1 << 30),
+    ("max_batch", 1, 1024),
+    ("max_queue", 0, 100_000),
     ("threads", 0, 1024),
     ("max_context", 0, 10_000_000),
     ("max_new_tokens", 1, 10_000_000),
@@ -34,7 +44,6 @@ _BOUNDS = (
     ("max_score_tokens", 1, 100_000_000),
     ("score_chunk_floats", 1, 1_000_000_000),
     ("prefill_chunk_tokens", 1, 65_536),
-    ("max_temperature", 0, 1e6),
     ("max_repetition_penalty", 1, 1e6),
     ("max_abs_penalty", 0, 1e6),
     ("request_time_limit", 0, 7 * 86_400),
@@ -157,26 +166,15 @@ class ServerConfig:
             if not cond:
                 raise ValueError(f"invalid server config: {msg}")
 
-        need(0 <= self.port <= 65535, "port must be in [0, 65535]")
-        need(-1 <= self.http_port <= 65535, "http_port must be in [-1, 65535]")
         need(len(self.served_model_name) <= 256 and self.served_model_name.isprintable(),
              "served_model_name must be at most 256 printable characters")
-        need(1 <= self.max_chat_messages <= 100_000, "max_chat_messages must be in [1, 100000]")
-        need(1 <= self.max_chat_chars <= 100_000_000,
-             "max_chat_chars must be in [1, 100000000]")
-        need(1 <= self.max_n <= 128, "max_n must be in [1, 128]")
-        need(1024 <= self.max_http_body_bytes <= 1 << 30,
-             "max_http_body_bytes must be in [1024, 1073741824]")
-        need(-1 <= self.metrics_port <= 65535, "metrics_port must be in [-1, 65535]")
         need(self.provider in ("auto", "cpu", "cuda"), "provider must be auto, cpu or cuda")
-        need(1 <= self.max_batch <= 1024, "max_batch must be in [1, 1024]")
-        need(0 <= self.max_queue <= 100_000, "max_queue must be in [0, 100000]")
-        need(1 <= self.default_max_new_tokens <= self.max_new_tokens,
-             "default_max_new_tokens must be in [1, max_new_tokens]")
-        for name, lo, hi in _BOUNDS:  # every other number: a floor and a ceiling
+        for name, lo, hi in _BOUNDS:  # every number: a floor and a ceiling
             v = getattr(self, name)
             need(lo <= v <= hi, f"{name} must be in [{lo}, {hi}]")
-        need(self.max_temperature > 0, "max_temperature must be > 0")
+        need(1 <= self.default_max_new_tokens <= self.max_new_tokens,
+             "default_max_new_tokens must be in [1, max_new_tokens]")
+        need(0 < self.max_temperature <= 1e6, "max_temperature must be in (0, 1e6]")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
         need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
                                                   "covers the manifest, verify the files)")

@@ -223,7 +223,10 @@ def test_server_config_flags_env_and_bounds():
 
     from kvserve.server.config import _BOUNDS
     assert {f.name for f in dataclasses.fields(ServerConfig) if f.type in ("int", "float")} \
-        >= {name for name, _, _ in _BOUNDS}
+        == {name for name, _, _ in _BOUNDS} | {"max_temperature", "default_max_new_tokens"}
+    for bad in (0.0, 2e6):
+        with pytest.raises(ValueError, match="max_temperature"):
+            ServerConfig(max_temperature=bad).validate()
     for name, lo, hi in _BOUNDS:
         for bad in (lo - 1, hi * 2 + 1):
             with pytest.raises(ValueError, match=name):
