@@ -37,8 +37,6 @@ def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int]
         r = StopCheck("", FinishReason.EOS_TOKEN, special=True)
     elif armed and tok in st.stop_token_ids:
         r = StopCheck("", FinishReason.STOP_TOKEN, special=True)
-    elif not stopper.stops:  # the common case: nothing to match, the text as it comes
-        r = StopCheck(detok.push(tok))
     else:
         m = stopper.push(detok.push(tok), armed)
         r = StopCheck(m.text)
