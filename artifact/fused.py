@@ -31,7 +31,6 @@ from .spec import fused_spec_from
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
-_ONES = np.ones(256, np.int64)  # query_seqlens of a decode step
 
 
 @dataclass
@@ -230,6 +229,8 @@ class _Bound:
         b.bind_output("logits", "cpu", 0, np.float32, list(self.logits.shape),
                       self.logits.ctypes.data)
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
+        self.needs_sync = bool(self._refresh or self.attn_names)  # (CPU, plain: nothing to do)
+        self.run = lambda: sess.run_with_iobinding(b)
 
     def sync(self) -> None:
         """After the host arrays were written: device copies, fresh attention outputs."""
@@ -265,7 +266,7 @@ class FusedLM(ArtifactRunner):
         self._attention_graph = attention and "attention" in runtime["graphs"]
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
-        self._bound: dict[tuple, _Bound] = {}
+        self._bound: dict[tuple, _Bound] = {}  # decode steps': (attention, n, generation)
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
@@ -301,38 +302,40 @@ class FusedLM(ArtifactRunner):
         return DeviceKV(self.cfg, self.ops, max_batch, capacity)
 
     # --- the one call ---------------------------------------------------------------------------
+    def _call(self, bound: _Bound, used: np.ndarray, add, total: int | None = None) -> None:
+        """Run ``bound`` once: ``used`` (the slots' ``kv.used``, a view) counts ``add`` more
+        tokens per slot (this call's), the op's counters follow (``total``: the longest slot's
+        rows after the call, computed when not given); restored if the run fails."""
+        used += add  # in place: kv.used now counts this call's tokens
+        np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
+        bound.total[...] = int(used.max()) if total is None else total
+        if bound.needs_sync:
+            bound.sync()
+        t0 = time.perf_counter()
+        try:
+            bound.run()
+        except BaseException:
+            used -= add
+            raise
+        self.ort_seconds += time.perf_counter() - t0
+
     def _run(self, kv: DeviceKV, lo: int, ids: np.ndarray, qlens: np.ndarray,
-             attention: bool, cache: bool, last: bool = False) -> _Bound:
-        """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n).
-        ``last``: logits of each row's last valid token only (where the graph can)."""
+             attention: bool, last: bool = False) -> _Bound:
+        """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n)
+        through a binding of its own. ``last``: logits of each row's last valid token only
+        (where the graph can)."""
         n, S = ids.shape
         last = last and S > 1  # a step's one row is its last
         used = kv.used[lo:lo + n]
         top = int(used.max()) + S  # enough rows for every slot, whatever its qlen
         if top > kv.capacity:
             kv.ensure_capacity(top)
-        key = (attention, lo, n, S, kv.generation, last)
-        bound = self._bound.get(key) if cache else None
-        if bound is None:
-            bound = _Bound(self, self.session(attention), kv, lo, n, S, attention, last)
-            if cache:  # drop the bindings of older buffer generations (they hold them alive)
-                self._bound = {k: v for k, v in self._bound.items() if k[4] == kv.generation}
-                self._bound[key] = bound
-        used += qlens  # in place: kv.used now counts this call's tokens
+        bound = _Bound(self, self.session(attention), kv, lo, n, S, attention, last)
         bound.ids[...] = ids
-        np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
         bound.qlens[...] = qlens
-        bound.total[...] = top if S == 1 else used.max()  # (a step: the old maximum + 1)
         if last and bound.rows is not None:
             np.subtract(qlens, 1, out=bound.rows[:, 0], casting="unsafe")
-        bound.sync()
-        t0 = time.perf_counter()
-        try:
-            self.session(attention).run_with_iobinding(bound.binding)
-        except BaseException:
-            used -= qlens
-            raise
-        self.ort_seconds += time.perf_counter() - t0
+        self._call(bound, used, qlens)
         return bound
 
     def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False,
@@ -346,7 +349,7 @@ class FusedLM(ArtifactRunner):
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
         start = kv.used[lo:lo + len(prompts)].copy()
-        bound = self._run(kv, lo, ids, lens, attention, cache=False, last=last)
+        bound = self._run(kv, lo, ids, lens, attention, last=last)
         if not last:
             logits = [bound.logits[b, :n] for b, n in enumerate(lens)]
         elif bound.logits.shape[1] == 1:  # the graph computed the last rows alone
@@ -374,12 +377,30 @@ class FusedLM(ArtifactRunner):
                ) -> tuple[np.ndarray, list[np.ndarray] | None]:
         """One step for slots [0, n): tokens (n,). Returns logits (n, V) (a view into a reused
         buffer: copy what you keep) and, when asked, per slot its attention (L, H, T_b) over
-        its T_b tokens (the new one last)."""
-        bound = self._run(kv, 0, tokens.reshape(n, 1), _ONES[:n] if n <= len(_ONES) else
-                          np.ones(n, np.int64), attention, cache=True)
+        its T_b tokens (the new one last).
+
+        A step's binding is cached per (batch, buffer generation): one new token per slot, so
+        ``query_seqlens`` is all ones from the start and only the ids and counters change."""
+        used = kv.used[:n]
+        top = int(used.max()) + 1  # the longest slot's rows after the step
+        if top > kv.capacity:
+            kv.ensure_capacity(top)
+        bound = self._bound.get((attention, n, kv.generation))
+        if bound is None:
+            bound = self._step_binding(kv, n, attention)
+        bound.ids[:, 0] = tokens
+        self._call(bound, used, 1, top)
         attn = None
         if attention:
             a = bound.attentions()  # L x (n, H, 1, total)
             attn = [np.stack([x[b, :, 0, :kv.used[b]] for x in a]) for b in range(n)]
         return bound.logits[:, 0], attn
 
+    def _step_binding(self, kv: DeviceKV, n: int, attention: bool) -> _Bound:
+        """A decode step's binding over slots [0, n), kept for the next steps; those of older
+        buffer generations are dropped (they hold the old buffers alive)."""
+        bound = _Bound(self, self.session(attention), kv, 0, n, 1, attention, False)
+        bound.qlens[:] = 1
+        self._bound = {k: v for k, v in self._bound.items() if k[2] == kv.generation}
+        self._bound[(attention, n, kv.generation)] = bound
+        return bound

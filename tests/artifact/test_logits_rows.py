@@ -54,7 +54,7 @@ def test_last_rows(lm, main_model):
     if lm.kind == "fused":  # the graph computed one row per prompt
         kv = lm.new_cache(2)
         bound = lm._run(kv, 0, np.array([[1, 2, 3], [4, 5, 0]]), np.array([3, 2]), False,
-                        cache=False, last=True)
+                        last=True)
         assert bound.logits.shape == (2, 1, main_model.cfg.vocab_size)
 
 
