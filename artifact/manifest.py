@@ -12,7 +12,17 @@ CONFIG = "config.json"  # the model config (kvserve.model.config.ModelConfig)
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # the chat template and its special tokens
 SIGNATURE = "manifest.sig"  # optional, beside the manifest (artifact/signing.py); never listed
-FORMAT_VERSION = 1
+# What an artifact asks of the runtime that reads it (the highest this code reads and writes).
+# 1: the graphs' I/O as the manifest lists them. 2: the fused main graph takes ``logits_rows``
+# (``runtime.logits_rows``), which a runtime reading only 1 would not feed. An artifact is
+# written with the lowest version it needs; a reader refuses versions above its own.
+FORMAT_VERSION = 2
+
+
+def format_version(content: dict[str, Any]) -> int:
+    """The lowest format version whose readers run an artifact with this manifest content."""
+    runtime = content.get("runtime")
+    return 2 if isinstance(runtime, dict) and runtime.get("logits_rows") else 1
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -45,7 +55,7 @@ def file_entries(root: Path) -> dict[str, dict[str, Any]]:
 
 def write_manifest(root: Path, content: dict[str, Any]) -> Path:
     """Hash every file now in ``root`` and write the manifest atomically."""
-    data = {"format_version": FORMAT_VERSION, **content, "files": file_entries(root)}
+    data = {"format_version": format_version(content), **content, "files": file_entries(root)}
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(root / MANIFEST)

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .manifest import FORMAT_VERSION
 from .spec import FUSED_SMALL_INPUTS
 
 MAX_MANIFEST_BYTES = 4 << 20
@@ -163,6 +164,11 @@ def check_manifest(m: Any) -> dict:
               f"manifest.json: graphs[{name!r}].io must be an object")
     for key in ("format_version", "opset"):
         _need(key not in m or _is_int(m[key]), f"manifest.json: {key} must be an integer")
+    version = m.get("format_version", 1)
+    _need(1 <= version <= FORMAT_VERSION,
+          f"manifest.json: format_version {_show(version)} is not one this kvserve reads "
+          f"(1 to {FORMAT_VERSION}): it was made by a newer kvserve; upgrade, or export it with "
+          f"this one")
     for key in ("precision", "present_layout", "kv_dtype"):
         _need(key not in m or isinstance(m[key], str), f"manifest.json: {key} must be a string")
     for key in ("model", "optimized_for", "parity", "perplexity", "producer", "source"):

@@ -216,13 +216,21 @@ def manifest_logits_rows_names_the_ids(root):  # would rebind input_ids to the r
     return root, ["manifest.json: runtime.logits_rows must be an input name of the main graph"]
 
 
+def manifest_format_version_from_the_future(root):  # a newer exporter's contract
+    m = read_manifest(root)
+    m["format_version"] = 3
+    write_manifest(root, m)
+    return root, ["manifest.json: format_version 3 is not one this kvserve reads (1 to 2): it "
+                  "was made by a newer kvserve"]
+
+
 REHASHED = [config_n_layers_1e9, config_vocab_size_1e9, config_d_model_2_30,
             config_max_seq_len_1e12, config_n_layers_float, config_n_heads_not_the_graphs,
             config_n_layers_not_the_graphs, config_vocab_not_the_graphs, config_gqa_not_the_graphs,
             config_deeply_nested, manifest_files_is_a_list, manifest_deeply_nested,
             manifest_nested_beyond_the_schema, manifest_graph_without_file,
             manifest_bytes_not_a_number, manifest_logits_rows_not_a_name,
-            manifest_logits_rows_names_the_ids]
+            manifest_logits_rows_names_the_ids, manifest_format_version_from_the_future]
 TAMPERINGS = [truncated_graph, truncated_graph_rehashed, changed_byte_in_graph,
               changed_byte_in_weights, manifest_wrong_hash, manifest_unlisted_file,
               manifest_missing_file, manifest_graph_io_mismatch, external_data_dotdot,
