@@ -14,6 +14,7 @@ The same code runs on CPU and CUDA; only where an OrtValue lives differs (``devi
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from .spec import fused_spec_from
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": np.float32, "float16": np.float16}
+_INT = struct.Struct("i")  # total_sequence_length, a 0-d int32 array
 
 
 @dataclass
@@ -231,6 +233,10 @@ class _Bound:
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
         self.needs_sync = bool(self._refresh or self.attn_names)  # (CPU, plain: nothing to do)
         self.run = lambda: sess.run_with_iobinding(b)
+        # a step writes its n ids and counters with struct (one C call each, into the arrays'
+        # buffers): numpy's ufunc machinery, run right after onnxruntime has evicted the caches,
+        # cost ~10-30 us a call on the 2-core bench machine
+        self.longs, self.ints = struct.Struct(f"{n}q"), struct.Struct(f"{n}i")
 
     def sync(self) -> None:
         """After the host arrays were written: device copies, fresh attention outputs."""
@@ -302,28 +308,19 @@ class FusedLM(ArtifactRunner):
         return DeviceKV(self.cfg, self.ops, max_batch, capacity)
 
     # --- the one call ---------------------------------------------------------------------------
-    def _call(self, bound: _Bound, used: np.ndarray, add, total: int | None = None) -> None:
-        """Run ``bound`` once: ``used`` (the slots' ``kv.used``, a view) counts ``add`` more
-        tokens per slot (this call's), the op's counters follow (``total``: the longest slot's
-        rows after the call, computed when not given); restored if the run fails."""
-        used += add  # in place: kv.used now counts this call's tokens
-        np.subtract(used, 1, out=bound.seqlens, casting="unsafe")
-        bound.total[...] = int(used.max()) if total is None else total
+    def _call(self, bound: _Bound) -> None:
+        """Run ``bound`` once (its ids and counters written; device copies refreshed)."""
         if bound.needs_sync:
             bound.sync()
         t0 = time.perf_counter()
-        try:
-            bound.run()
-        except BaseException:
-            used -= add
-            raise
+        bound.run()
         self.ort_seconds += time.perf_counter() - t0
 
     def _run(self, kv: DeviceKV, lo: int, ids: np.ndarray, qlens: np.ndarray,
              attention: bool, last: bool = False) -> _Bound:
         """Feed ids (n, S) (row b: qlens[b] valid tokens, right-padded) to slots [lo, lo+n)
         through a binding of its own. ``last``: logits of each row's last valid token only
-        (where the graph can)."""
+        (where the graph can). ``kv.used`` counts the tokens once the run succeeded."""
         n, S = ids.shape
         last = last and S > 1  # a step's one row is its last
         used = kv.used[lo:lo + n]
@@ -333,9 +330,13 @@ class FusedLM(ArtifactRunner):
         bound = _Bound(self, self.session(attention), kv, lo, n, S, attention, last)
         bound.ids[...] = ids
         bound.qlens[...] = qlens
+        after = used + qlens  # (n,) each slot's rows after the call
+        np.subtract(after, 1, out=bound.seqlens, casting="unsafe")
+        bound.total[...] = after.max()
         if last and bound.rows is not None:
             np.subtract(qlens, 1, out=bound.rows[:, 0], casting="unsafe")
-        self._call(bound, used, qlens)
+        self._call(bound)
+        used[...] = after
         return bound
 
     def prefill(self, kv: DeviceKV, lo: int, prompts: list, attention: bool = False,
@@ -373,23 +374,31 @@ class FusedLM(ArtifactRunner):
             raise NotImplementedError("the fused graph does not carry LongRoPE")
         return self.prefill(kv, slot, [tokens], last=last).logits[0]
 
-    def decode(self, kv: DeviceKV, n: int, tokens: np.ndarray, attention: bool = False
+    def decode(self, kv: DeviceKV, n: int, tokens, attention: bool = False
                ) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """One step for slots [0, n): tokens (n,). Returns logits (n, V) (a view into a reused
+        """One step for slots [0, n): tokens (n,) ints. Returns logits (n, V) (a view into a reused
         buffer: copy what you keep) and, when asked, per slot its attention (L, H, T_b) over
         its T_b tokens (the new one last).
 
         A step's binding is cached per (batch, buffer generation): one new token per slot, so
-        ``query_seqlens`` is all ones from the start and only the ids and counters change."""
-        used = kv.used[:n]
-        top = int(used.max()) + 1  # the longest slot's rows after the step
-        if top > kv.capacity:
-            kv.ensure_capacity(top)
+        ``query_seqlens`` is all ones from the start and only the ids and counters change
+        (``tokens``: a list costs least)."""
+        if isinstance(tokens, np.ndarray):
+            tokens = tokens.tolist()
         bound = self._bound.get((attention, n, kv.generation))
+        used = bound.longs.unpack_from(kv.used) if bound is not None else \
+            tuple(kv.used[:n].tolist())  # each slot's rows before the step
+        top = max(used) + 1  # the longest slot's rows after it
+        if top > kv.capacity:
+            kv.ensure_capacity(top)  # (a new buffer generation: a new binding)
+            bound = None
         if bound is None:
             bound = self._step_binding(kv, n, attention)
-        bound.ids[:, 0] = tokens
-        self._call(bound, used, 1, top)
+        bound.longs.pack_into(bound.ids, 0, *tokens)
+        bound.ints.pack_into(bound.seqlens, 0, *used)  # the rows after the step, minus one
+        _INT.pack_into(bound.total, 0, top)
+        self._call(bound)
+        bound.longs.pack_into(kv.used, 0, *[u + 1 for u in used])
         attn = None
         if attention:
             a = bound.attentions()  # L x (n, H, 1, total)

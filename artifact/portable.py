@@ -216,7 +216,8 @@ class PortableLM(ArtifactRunner):
     # --- decode ------------------------------------------------------------------------------
     def decode(self, kv: KVBuffers, n: int, tokens: np.ndarray, attention: bool = False
                ) -> tuple[np.ndarray, list[np.ndarray] | None]:
-        """One step for slots [0, n): tokens (n,) int64 at positions ``kv.used``.
+        """One step for slots [0, n): tokens (n,) (ints: a list or an int64 array) at
+        positions ``kv.used``.
 
         Returns logits (n, V) (a view into a reused buffer: copy what you keep) and, when
         asked, per slot its attention (L, H, T_b) over its T_b tokens (the new one last).

@@ -404,7 +404,7 @@ class Engine:
         active = self.active
         n = len(active)
         attention = any(s.wants_attention and not s.forced for s in active)
-        tokens = np.fromiter([s.feed for s in active], np.int64, n)
+        tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
             # events handed over before that refill, which may take a while)
             self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens,

@@ -47,6 +47,40 @@ def test_reference_is_full_forward(main_model):
             assert np.abs(ref.logits[b][step] - want).max() <= LOGIT_TOL
 
 
+def test_a_failed_run_leaves_the_cache_as_it_was(main_model, lm, monkeypatch):
+    """onnxruntime raising in a step or a prefill leaves ``kv.used`` as it was, and the next
+    step continues as if the failed call never happened (the engine fails the requests in
+    flight and goes on)."""
+    import onnxruntime as ort
+
+    prompts = _prompts(main_model.cfg.vocab_size)
+    ref = _reference(main_model, prompts)
+    B = len(prompts)
+    kv = _start(lm, main_model, prompts)
+    before = kv.used.copy()
+    fresh = lm.new_cache(1)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected onnxruntime failure")
+
+    tokens = [ref.tokens[b][0] for b in range(B)]
+    with monkeypatch.context() as m:
+        m.setattr(ort.InferenceSession, "run_with_iobinding", boom)
+        m.setattr(ort.InferenceSession, "run", boom)  # (the portable prefill's call)
+        for call in (lambda: lm.decode(kv, B, tokens), lambda: lm.prefill(fresh, 0, prompts[:1])):
+            try:
+                call()
+            except RuntimeError as e:
+                assert "injected" in str(e)
+            else:
+                raise AssertionError("the injected failure did not reach the caller")
+    assert (kv.used == before).all() and fresh.used[0] == 0
+    logits, _ = lm.decode(kv, B, tokens)
+    for b in range(B):
+        assert np.abs(logits[b] - ref.logits[b][1]).max() <= LOGIT_TOL
+    assert list(kv.used[:B]) == [n + 1 for n in PROMPT_LENGTHS]
+
+
 def test_200_steps_across_capacity_growth(main_model, lm):
     prompts = _prompts(main_model.cfg.vocab_size)
     ref = _reference(main_model, prompts)
