@@ -107,6 +107,12 @@ class _Seq:
     # (greedy, no penalties, nothing banned any more); None: never (it samples or penalises)
     argmax_from: int | None = None
     staged: bool = False  # its events box can hold events back (stage / wake)
+    # from which generated-token index a step only records the argmax token (``held``) and its
+    # text and event are made when its caller is next woken (``_release``): a staged caller
+    # with no stop strings and nothing per token but the token; None: never
+    lean_from: int | None = None
+    ends: frozenset = frozenset()  # the ids that end it once armed (eos unless ignored, stops)
+    held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
 
     @property
     def wants_attention(self) -> bool:
@@ -145,6 +151,8 @@ class Engine:
         # at once for its first token and its end (server/events.py)
         self.stream_interval = stream_interval
         self._staged: set = set()  # the callers' channels holding events back
+        self._holding: list[_Seq] = []  # sequences with held tokens (lean steps)
+        self._attending = False  # whether an active sequence asks for attention rows
         self._woken = 0.0  # when the staged callers were last woken
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
@@ -313,7 +321,8 @@ class Engine:
         if self.active:
             self._decode_step()
         self._retire_done()
-        if self._staged and time.monotonic() - self._woken >= self.stream_interval:
+        if (self._staged or self._holding) and \
+                time.monotonic() - self._woken >= self.stream_interval:
             self._wake_staged()
         if admit or self._running != len(self.active):
             self._running = len(self.active)
@@ -335,6 +344,7 @@ class Engine:
             seq.stopper = StopMatcher(seq.req.stopping.stop)
             seq.argmax_from = self._argmax_from(seq.req)
             seq.staged = bool(self.stream_interval) and hasattr(seq.handle.events, "stage")
+            seq.lean_from, seq.ends = self._lean(seq)
             (attn if seq.wants_attention else plain).append(seq)
         # room for every admitted request's prompt and new tokens (the fused cache grows now,
         # once, instead of copying its buffers in the middle of decoding)
@@ -353,6 +363,7 @@ class Engine:
             self._prefill(group, attention=False)
         for seq in attn:
             self._prefill([seq], attention=True)
+        self._attending = any(s.wants_attention for s in self.active)
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
@@ -403,7 +414,7 @@ class Engine:
     def _decode_step(self) -> None:
         active = self.active
         n = len(active)
-        attention = any(s.wants_attention and not s.forced for s in active)
+        attention = self._attending and any(s.wants_attention and not s.forced for s in active)
         tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
             # events handed over before that refill, which may take a while)
@@ -412,7 +423,8 @@ class Engine:
         t0 = time.monotonic()
         logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
         self.steps += 1
-        self.metrics.step(n, time.monotonic() - t0)
+        now = time.monotonic()
+        self.metrics.step(n, now - t0)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token next_token would pick
         plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
@@ -422,6 +434,17 @@ class Engine:
             if seq.forced:
                 seq.feed = seq.forced.popleft()
                 continue
+            if plain[i] and seq.lean_from is not None:
+                k = len(seq.generated)
+                tok = argmax[i]
+                if k >= seq.lean_from and tok not in seq.ends \
+                        and k + 1 < seq.req.stopping.max_new_tokens:  # (it goes on)
+                    if not seq.held:
+                        self._holding.append(seq)
+                    seq.held.append((tok, now))
+                    seq.generated.append(tok)
+                    seq.feed = tok
+                    continue
             rows = None
             if attn is not None and seq.wants_attention:
                 rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
@@ -444,10 +467,40 @@ class Engine:
         banned = st.stop_token_ids or (self.eos_ids and not st.ignore_eos)
         return st.min_new_tokens if banned else 0
 
+    def _lean(self, seq: _Seq) -> tuple[int | None, frozenset]:
+        """(``lean_from``, ``ends``) of a sequence: lean steps need the batch argmax, a staged
+        caller (the first token is always handed over at once), no stop strings (their
+        matching needs each token's text) and no per-token outputs."""
+        req = seq.req
+        st, out = req.stopping, req.output
+        if seq.argmax_from is None or not seq.staged or any(st.stop) or out.logprobs \
+                or out.top_logprobs or out.return_logits or out.attention:
+            return None, frozenset()
+        ends = frozenset(st.stop_token_ids) | (frozenset() if st.ignore_eos else self.eos_ids)
+        return max(seq.argmax_from, st.min_new_tokens, 1), ends
+
+    def _release(self, seq: _Seq) -> None:
+        """Make the events of ``seq``'s held tokens (text through its detokenizer, in order)
+        and stage them for its caller."""
+        held, seq.held = seq.held, []
+        box = seq.handle.events
+        k = len(seq.generated) - len(held)
+        push, token, text = seq.detok.push, self.metrics.token, seq.text
+        for tok, t in held:
+            ev = TokenEvent(index=k, token_id=tok, text=push(tok))
+            token(False, t - seq.last_token)
+            seq.last_token = t
+            text.append(ev.text)
+            box.stage(ev)
+            k += 1
+        self._staged.add(box)
+
     def _on_logits(self, seq: _Seq, raw: np.ndarray, attention, tok: int | None = None
                    ) -> None:
         """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
         by the batch's greedy argmax) and emit it."""
+        if seq.held:  # its earlier tokens come first, through the same detokenizer
+            self._release(seq)
         req = seq.req
         k = len(seq.generated)
         if tok is None:
@@ -501,6 +554,10 @@ class Engine:
             self._staged.add(box)
 
     def _wake_staged(self) -> None:
+        for seq in self._holding:
+            if seq.held:
+                self._release(seq)
+        self._holding.clear()
         for box in self._staged:
             box.wake()
         self._staged.clear()
@@ -509,6 +566,8 @@ class Engine:
     # --- leaving -------------------------------------------------------------------------------
     def _finish(self, seq: _Seq, reason: FinishReason, stop_sequence: str = "",
                 stop_token: int | None = None, error: str = "") -> None:
+        if seq.held:  # (cancelled, timed out or failed between two wake-ups)
+            self._release(seq)
         seq.done = True
         now = time.monotonic()
         t = Timings(queue=(seq.admitted or now) - seq.submitted,
@@ -549,6 +608,7 @@ class Engine:
                 self.active[i] = self.active[last]
             self.active.pop()
         if gone:  # give back the memory long sequences left (their slots are free now)
+            self._attending = any(s.wants_attention for s in self.active)
             self.kv.shrink_to_fit(len(self.active),
                                   max((self._rows(s) for s in self.active), default=0))
 

@@ -29,13 +29,17 @@ def _token_bytes() -> TokenBytes:
     return tb
 
 
-@pytest.fixture
-def make_engine():
+@pytest.fixture(params=[0.0, 0.05], ids=["woken-per-token", "staged"])
+def make_engine(request):
+    """Engines whose callers are woken for every token, or at most every 50 ms (the
+    server's way: a plain greedy sequence then takes the engine's lean steps, its tokens'
+    text and events made when its caller is woken)."""
     engines = []
 
     def make(lm=None, **kw):
         lm = lm or FakeLM(V)
-        args = dict(max_batch=4, max_queue=16, score_chunk_floats=V * 64, eos_id=None)
+        args = dict(max_batch=4, max_queue=16, score_chunk_floats=V * 64, eos_id=None,
+                    stream_interval=request.param)
         args.update(kw)
         e = Engine(lm, _token_bytes(), **args)
         e.start()
@@ -268,3 +272,51 @@ def test_admission_reserves_each_requests_rows(make_engine):
     assert kv.kept[-1] == 0  # the last one left
     _collect(engine.submit(_req([1], 10_000)))  # more than the context (256) allows
     assert kv.reserved[-1] == 256 + 1
+
+
+def test_lean_steps_give_the_same_events_as_the_per_token_path():
+    """A staged caller's plain greedy sequence takes the lean steps (the token recorded, its
+    text and event made at the next wake-up). Its events (ids, indices, text deltas) and its
+    end (reason, text, counts) equal those of the per-token path, with tokens whose bytes split
+    UTF-8 characters (and some invalid bytes), with eos, stop ids, min_new_tokens and a cancel
+    in the middle of held tokens."""
+    lm = FakeLM(V, step_delay=0.0005)
+    tb = _token_bytes()
+    frags = [b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"a", b"\xf0\x9f", b"\x98\x80", b"\xff"]
+    tb.table = [frags[i % len(frags)] for i in range(V)]
+    ref = lm.reference([7], 40)
+    cases = [dict(), dict(ignore_eos=True, stop_token_ids=(ref[9],)),
+             dict(min_new_tokens=30), dict(ignore_eos=True)]
+
+    def run(interval):
+        engine = Engine(lm, tb, max_batch=4, max_queue=16, score_chunk_floats=V * 64,
+                        eos_id=ref[12], stream_interval=interval)
+        engine.start()
+        try:
+            out = []
+            for stop in cases:
+                evs = list(engine.submit(_req([7], 40, **stop)))
+                out.append(([(e.index, e.token_id, e.text) for e in evs[:-1]],
+                            (evs[-1].reason, evs[-1].text, evs[-1].generated_tokens)))
+            h = engine.submit(_req([7], 10_000, ignore_eos=True))  # cancelled mid-stream
+            got = [h.events.get(timeout=5) for _ in range(3)]
+            h.cancel()
+            evs = got + list(h)
+            toks = [e for e in evs if isinstance(e, TokenEvent)]
+            assert [e.index for e in toks] == list(range(len(toks)))
+            assert evs[-1].reason is FinishReason.CANCELLED
+            assert evs[-1].text == "".join(e.text for e in toks)
+            assert evs[-1].generated_tokens == len(toks) >= 3
+            return out
+        finally:
+            engine.stop()
+
+    per_token, lean = run(0.0), run(0.05)
+    assert lean == per_token
+    for events, (reason, text, n) in lean:
+        assert [i for i, _, _ in events] == list(range(n))
+        assert text == "".join(t for _, _, t in events)
+    assert [r for _, (r, _, _) in lean] == [FinishReason.EOS_TOKEN, FinishReason.STOP_TOKEN,
+                                            FinishReason.EOS_TOKEN, FinishReason.LENGTH]
+    text = lean[3][1][1]  # characters assembled across tokens, and replaced invalid bytes
+    assert "\ufffd" in text and any(ord(c) > 127 and c != "\ufffd" for c in text), text
