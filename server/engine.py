@@ -7,7 +7,8 @@ Each loop iteration:
   3. run ONE decode step (``lm.decode``) for every active slot and sample each row with
      that request's own ``SamplingParams`` (``model.sampling``'s pure functions; a seeded
      request owns ``PCG64(seed)`` and draws one ``u`` per sampled step, exactly as
-     ``model.generate`` does);
+     ``model.generate`` does); a streaming caller's plain greedy sequence takes a lean step
+     (its token recorded; text, event and metrics made when the caller is next woken);
   4. retire finished / cancelled / expired sequences, compacting slots with
      the cache's ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
