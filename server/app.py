@@ -9,6 +9,7 @@ import os
 import time
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,11 +29,13 @@ from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine, NullMetrics
-from .http_api import HttpServer, OpenAIApi
 from .metrics import Metrics, MetricsServer
 from .prompts import Prompts
 from .servicer import InferenceServicer, ServingState, model_info
 from .validation import Limits
+
+if TYPE_CHECKING:
+    from .http_api import HttpServer
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +208,8 @@ class App:
             self.metrics_server = MetricsServer(self.metrics, c.host, c.metrics_port)
             self.metrics_server.start()
         if c.http_port >= 0:  # up before warm-up: /health answers 503 until ready
+            from .http_api import HttpServer, OpenAIApi  # (aiohttp: only for the HTTP API)
+
             api = OpenAIApi(self.engine, self.prompts, self.token_bytes, self.state, self.metrics,
                             model_name=c.served_model_name or self.dir.resolve().name,
                             created=int((self.dir / MANIFEST).stat().st_mtime),

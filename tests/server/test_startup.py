@@ -50,3 +50,15 @@ def test_warm_up_requests_are_not_counted(artifact):
     for name in ("kvserve_requests_total", "kvserve_prompt_tokens_total",
                  "kvserve_generated_tokens_total", "kvserve_time_to_first_token_seconds_count"):
         assert [s for s in samples if s.split()[0] == name] in ([], [f"{name} 0"])
+
+
+def test_grpc_only_serving_does_not_import_the_http_stack():
+    """aiohttp (and the SSL context it builds at import) loads only when the HTTP API is asked
+    for (``--http-port``): a gRPC-only server starts without it."""
+    code = ("import sys, kvserve.cli, kvserve.server.app, kvserve.server.main; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'aiohttp' "
+            "or m == 'kvserve.server.http_api'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
