@@ -6,8 +6,9 @@ answers one measurement per command on stdin (``Worker``).
 Every runner offers the same operations on the same token ids:
   generate(prompts (B, P) int, n) -> (B, n) greedy tokens   (decode tok/s, TTFT = n of 1)
   stream(prompt (P,), n) -> n token arrival times            (inter-token latency, batch 1)
-  step_ms(position, batch) -> median decode step time at that position (where the runner has
-                           steps), batch 1 and the plan's step_batches
+  steps_ms(positions, steps, batch) -> median decode step time at each position (where the
+                           runner has steps; batch 1 and the plan's step_batches), the positions
+                           interleaved in blocks within one turn
   score(sequences) -> per-token log-probabilities             (Score tokens/s)
 What each runner is:
   engine  kvserve's continuous-batching Engine (server/engine.py), in-process: N requests
@@ -35,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from .common import memory_mb
+
+STEP_BLOCK = 4  # timed decode steps at one position before the next position's
 
 
 def rss_peak_mb() -> float:
@@ -65,8 +68,25 @@ class Runner:
     def stream(self, prompt: np.ndarray, n: int) -> list[float]:
         raise NotImplementedError
 
-    def step_ms(self, position: int, steps: int, batch: int = 1) -> float:
+    def walker(self, position: int, steps: int, batch: int = 1):
+        """A sequence of ``batch`` rows at ``position`` with room for ``steps`` more tokens;
+        returns step() -> seconds of one greedy decode step (the step timed alone)."""
         raise NotImplementedError
+
+    def steps_ms(self, positions: list[int], steps: int, batch: int = 1,
+                 block: int = STEP_BLOCK) -> dict[str, float]:
+        """Median decode step (ms) at each position, the positions measured interleaved in
+        blocks of ``block`` timed steps, each block after an untimed one (a runner switching
+        caches rebuilds its binding): the machine's speed drift spreads over every position
+        instead of biasing one, so their ratio is the runner's own."""
+        walk = {p: self.walker(p, steps + steps // block + 1, batch) for p in positions}
+        times: dict[int, list[float]] = {p: [] for p in positions}
+        while any(len(t) < steps for t in times.values()):
+            for p in positions:
+                walk[p]()
+                for _ in range(min(block, steps - len(times[p]))):
+                    times[p].append(walk[p]())
+        return {str(p): 1000 * statistics.median(t) for p, t in times.items()}
 
     def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
         raise NotImplementedError
@@ -118,18 +138,17 @@ class LoopRunner(Runner):
         self.generate(prompt[None], n, times)
         return times
 
-    def step_ms(self, position, steps, batch=1):
+    def walker(self, position, steps, batch=1):
         prompt = prompts_for(batch, position, self.cfg.vocab_size, seed=7)
         kv, tok = self.start(prompt, position + steps + 3)
-        logits, _ = self.lm.decode(kv, batch, tok)  # untimed: binds the decode shapes (as
-        tok = logits.argmax(-1)  # genai's untimed first step is its prefill's)
-        dts = []
-        for _ in range(steps):
+        state = [tok]
+
+        def step() -> float:
             t0 = time.perf_counter()
-            logits, _ = self.lm.decode(kv, batch, tok)
-            tok = logits.argmax(-1)
-            dts.append(time.perf_counter() - t0)
-        return 1000 * statistics.median(dts)
+            logits, _ = self.lm.decode(kv, batch, state[0])
+            state[0] = logits.argmax(-1)
+            return time.perf_counter() - t0
+        return step
 
 
 class RecordingMetrics:
@@ -328,18 +347,17 @@ class GenaiRunner(Runner):
         self.generate(prompt[None], n, times)
         return times
 
-    def step_ms(self, position, steps, batch=1):
+    def walker(self, position, steps, batch=1):
         prompt = prompts_for(batch, position, self.vocab, seed=7).astype(np.int32)
         g = self._generator(batch, position + steps + 2)
         g.append_tokens(prompt)
-        g.generate_next_token()
-        dts = []
-        for _ in range(steps):
+        g.generate_next_token()  # (the prefill's token: as the loop's start)
+
+        def step() -> float:
             t0 = time.perf_counter()
             g.generate_next_token()
-            dts.append(time.perf_counter() - t0)
-        del g
-        return 1000 * statistics.median(dts)
+            return time.perf_counter() - t0
+        return step
 
 
 # --- gRPC --------------------------------------------------------------------------------------
@@ -506,8 +524,8 @@ class Worker:
             out["engine_time_split"] = self.r.decode_share
         return out
 
-    def step(self, position: int, batch: int, count: int) -> dict:
-        return {"ms": self.r.step_ms(position, count, batch)}
+    def step(self, positions: list[int], batch: int, count: int) -> dict:
+        return {"ms": self.r.steps_ms(positions, count, batch)}
 
     def score(self, sequences: int, tokens: int, min_total: float) -> dict:
         seqs = prompts_for(sequences, tokens, self.vocab, seed=11).tolist()

@@ -130,10 +130,9 @@ def cells_of(plan: dict[str, dict], has: dict[str, dict]) -> list[Cell]:
         if spec.get("itl") and has[r]["stream"]:
             add(("itl", spec["itl"]), "itl", {"n": spec["itl"]}, r)
         if spec.get("steps") and has[r]["steps"]:
-            for B in [1, *spec.get("step_batches", [])]:
-                for pos in spec["steps"]:
-                    add(("step", B, pos), "step", {"position": pos, "batch": B,
-                                                   "count": spec.get("step_count", 16)}, r)
+            for B in [1, *spec.get("step_batches", [])]:  # every position in one turn
+                add(("step", B), "step", {"positions": list(spec["steps"]), "batch": B,
+                                          "count": spec.get("step_count", 16)}, r)
         if spec.get("score") and has[r]["score"]:
             nseq, T = spec["score"]
             add(("score", nseq, T), "score", {"sequences": nseq, "tokens": T,
@@ -212,10 +211,12 @@ def _best(res: dict, key: tuple, got: list[dict], prompt: int | None, rounds: in
         res.setdefault("ttft_ms", {})[str(key[1])] = min(t["ms"] for t in got)
     elif op == "itl":
         res["itl_ms"] = min(got, key=lambda t: t["p50"])
-    elif op == "step":
-        B, pos = key[1:]
+    elif op == "step":  # every position: its best turn; and each turn's figures (one turn's
+        # positions were measured interleaved: their ratios are that turn's own)
+        B = key[1]
         name = "step_ms" if B == 1 else f"step_ms_batch{B}"
-        res.setdefault(name, {})[str(pos)] = min(t["ms"] for t in got)
+        res[name] = {pos: min(t["ms"][pos] for t in got) for pos in got[0]["ms"]}
+        res[name + "_turns"] = [t["ms"] for t in got]
     elif op == "score":
         nseq, T = key[1:]
         t = min(got, key=lambda t: t["seconds"])

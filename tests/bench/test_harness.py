@@ -64,6 +64,16 @@ def test_at_most_targets_rss_and_step_ratios():
     assert b1["ratio"] == pytest.approx(1.8) and b1["status"].startswith("missed")
     b16 = ts["bench-100m: decode step at position 1000 ≤ 1.5× position 16, batch 16"]
     assert b16["ratio"] == pytest.approx(1.3) and b16["status"] == "met"
+    # with each turn's interleaved figures: the median of the turns' own ratios, not the
+    # ratio of two best-of figures from different turns
+    size["runners"]["loop"]["step_ms_turns"] = [{"16": 10.0, "1000": 11.0},
+                                                {"16": 20.0, "1000": 22.4},
+                                                {"16": 9.0, "1000": 10.8}]
+    size["runners"]["genai"]["step_ms_turns"] = [{"16": 10.0, "1000": 13.0}]
+    ts = {t["target"]: t for t in report.targets({"bench-100m": size})}
+    b1 = ts["bench-100m: decode step at position 1000 ≤ 1.15× position 16, batch 1"]
+    assert b1["ratio"] == pytest.approx(1.12) and b1["status"] == "met"
+    assert "per turn 1.10/1.12/1.20" in b1["detail"] and "genai 1.30×" in b1["detail"]
 
 
 def test_missed_target_says_by_how_much_and_why():
@@ -218,12 +228,14 @@ def test_cells_are_shared_by_the_runners_that_measure_them():
            "grpc": {"steps": False, "stream": False, "score": False}}
     cells = {c.key: c.who for c in cells_of(plan, has)}
     assert list(cells) == [("decode", 1, 128), ("decode", 8, 128), ("ttft", 32),
-                           ("itl", 128), ("step", 1, 16), ("step", 1, 1000),
-                           ("step", 16, 16), ("step", 16, 1000), ("score", 8, 256)]
+                           ("itl", 128), ("step", 1), ("step", 16), ("score", 8, 256)]
     assert cells[("decode", 1, 128)] == ["engine", "genai", "hf", "grpc"]
     assert cells[("decode", 8, 128)] == ["engine", "genai", "grpc"]
     assert cells[("itl", 128)] == ["engine", "genai"]
-    assert cells[("step", 16, 1000)] == ["genai"]  # the engine has no step of its own
+    assert cells[("step", 16)] == ["genai"]  # the engine has no step of its own
+    # one turn measures every position, interleaved
+    step = next(c for c in cells_of(plan, has) if c.key == ("step", 16))
+    assert step.args["positions"] == [16, 1000] and step.args["batch"] == 16
     assert cells[("score", 8, 256)] == ["engine", "hf"]
     # a runner that failed to load has no cells
     assert all("hf" not in who for who in (c.who for c in cells_of(plan, {

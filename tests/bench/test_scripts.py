@@ -211,6 +211,9 @@ def test_runners_take_turns(tiny_artifact, tiny_ckpt, tmp_path):
     for r in ("engine", "loop"):
         assert out[r]["ttft_ms"]["8"] > 0 and out[r]["itl_ms"]["n"] == 5
     assert set(out["loop"]["step_ms"]) == {"4", "20"} == set(out["loop"]["step_ms_batch2"])
+    turns = out["loop"]["step_ms_turns"]  # each turn: every position, interleaved
+    assert len(turns) == 2 and all(set(t) == {"4", "20"} and min(t.values()) > 0 for t in turns)
+    assert out["loop"]["step_ms"]["20"] == min(t["20"] for t in turns)
     assert "step_ms" not in out["engine"]  # the engine has no step of its own
     assert out["engine"]["score"]["tok_s"] > 0 and "score" not in out["loop"]
     g = out["grpc"]["grpc"]
