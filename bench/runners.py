@@ -195,6 +195,7 @@ class EngineRunner(Runner):
         self.engine = Engine(self.lm, tb, max_batch=max_batch, max_queue=256,
                              score_chunk_floats=ServerConfig().score_chunk_floats,
                              stream_interval=ServerConfig().stream_interval_ms / 1000,
+                             stream_interval_max=ServerConfig().stream_interval_max_ms / 1000,
                              prefill_chunk_tokens=ServerConfig().prefill_chunk_tokens,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics())
         self.metrics = self.engine.metrics

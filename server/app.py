@@ -114,7 +114,8 @@ class App:
                              prefill_chunk_tokens=self.cfg.prefill_chunk_tokens,
                              request_time_limit=self.cfg.request_time_limit,
                              metrics=self.metrics, eos_ids=tuple(self.eos_ids),
-                             stream_interval=self.cfg.stream_interval_ms / 1000)
+                             stream_interval=self.cfg.stream_interval_ms / 1000,
+                             stream_interval_max=self.cfg.stream_interval_max_ms / 1000)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__,
                                                    eos_ids=self.eos_ids,

@@ -48,6 +48,7 @@ _BOUNDS = (
     ("max_abs_penalty", 0, 1e6),
     ("request_time_limit", 0, 7 * 86_400),
     ("stream_interval_ms", 0, 1000),
+    ("stream_interval_max_ms", 0, 1000),
     ("max_concurrent_rpcs", 0, 100_000),
     ("drain_grace", 0, 86_400),
 )
@@ -75,7 +76,12 @@ class ServerConfig:
                              "the CPU provider by ~1e-3 instead of ~1e-6)")
     stream_interval_ms: float = _opt(5.0, "a streaming caller is woken at most once per this "
                                           "many ms (tokens ready together arrive together; "
-                                          "first token and end at once; 0 = every token)")
+                                          "first token and end at once; 0 = every token); "
+                                          "with N callers streaming, N times this, up to "
+                                          "--stream-interval-max-ms")
+    stream_interval_max_ms: float = _opt(50.0, "the longest wake-up interval of many streaming "
+                                               "callers (their wake-ups per second stay about "
+                                               "1000 / --stream-interval-ms in all)")
     max_batch: int = _opt(8, "sequences decoded together in one step",
                           limit="not an error: further requests wait in the queue")
     max_queue: int = _opt(64, "requests waiting for a batch slot; beyond: RESOURCE_EXHAUSTED",
@@ -175,6 +181,8 @@ class ServerConfig:
         need(1 <= self.default_max_new_tokens <= self.max_new_tokens,
              "default_max_new_tokens must be in [1, max_new_tokens]")
         need(0 < self.max_temperature <= 1e6, "max_temperature must be in (0, 1e6]")
+        need(self.stream_interval_max_ms >= self.stream_interval_ms,
+             "stream_interval_max_ms must be at least stream_interval_ms")
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
         need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
                                                   "covers the manifest, verify the files)")

@@ -132,7 +132,7 @@ class Engine:
     def __init__(self, lm, token_bytes: TokenBytes, *, max_batch: int, max_queue: int,
                  score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
                  metrics=None, eos_ids: Sequence[int] = (), stream_interval: float = 0.0,
-                 prefill_chunk_tokens: int = 0):
+                 prefill_chunk_tokens: int = 0, stream_interval_max: float | None = None):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -149,8 +149,13 @@ class Engine:
         self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
         self.request_time_limit = request_time_limit
         # a caller is woken at most once per stream_interval seconds (0: for every token), and
-        # at once for its first token and its end (server/events.py)
+        # at once for its first token and its end (server/events.py); N callers woken together
+        # wait N intervals for the next round, up to stream_interval_max: each wake-up costs a
+        # thread switch and a message, so their rate stays ~1 / stream_interval in all
         self.stream_interval = stream_interval
+        self.stream_interval_max = stream_interval if stream_interval_max is None \
+            else max(stream_interval, stream_interval_max)
+        self._interval = stream_interval  # until the next round: after one of N callers
         self._staged: set = set()  # the callers' channels holding events back
         self._holding: list[_Seq] = []  # sequences with held tokens (lean steps)
         self._attending = False  # whether an active sequence asks for attention rows
@@ -323,7 +328,7 @@ class Engine:
             self._decode_step()
         self._retire_done()
         if (self._staged or self._holding) and \
-                time.monotonic() - self._woken >= self.stream_interval:
+                time.monotonic() - self._woken >= self._interval:
             self._wake_staged()
         if admit or self._running != len(self.active):
             self._running = len(self.active)
@@ -561,6 +566,8 @@ class Engine:
         self._holding.clear()
         for box in self._staged:
             box.wake()
+        self._interval = min(self.stream_interval * max(1, len(self._staged)),
+                             self.stream_interval_max)
         self._staged.clear()
         self._woken = time.monotonic()
 

@@ -105,6 +105,35 @@ def test_engine_wakes_a_caller_at_most_once_per_interval(interval):
         engine.stop()
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+def test_many_streaming_callers_share_the_wake_ups(scaled):
+    """N callers streaming together are woken every N intervals (up to the maximum), so the
+    engine's wake-ups per second stay ~1 / interval in all; with the maximum at the interval
+    each is woken every interval, as one alone."""
+    interval, n = 0.01, 4
+    lm = FakeLM(64, step_delay=0.003)
+    engine = Engine(lm, _token_bytes(), max_batch=n, max_queue=8, score_chunk_floats=64 * 64,
+                    eos_id=None, stream_interval=interval,
+                    stream_interval_max=1.0 if scaled else interval)
+    engine.start()
+    try:
+        boxes = [_Counting() for _ in range(n)]
+        t0 = time.monotonic()
+        handles = [engine.submit(_req([3 + i], 100), events=b) for i, b in enumerate(boxes)]
+        for i, h in enumerate(handles):
+            toks, fin = _collect(h)
+            assert len(toks) == 100 and isinstance(fin, FinishEvent)
+        seconds = time.monotonic() - t0
+        wakes = max(b.wakes for b in boxes)
+        if scaled:  # first token, end, one per n intervals (admission rounds aside)
+            assert wakes <= 4 + seconds / (n * interval), (wakes, seconds)
+        else:
+            assert wakes > 4 + seconds / (n * interval), (wakes, seconds)
+            assert wakes <= 4 + seconds / interval, (wakes, seconds)
+    finally:
+        engine.stop()
+
+
 def test_gauges_follow_a_failed_iteration_and_the_end():
     """A decode step that raises fails the sequences in flight (ERROR) and the running gauge
     drops to 0; at shutdown the queue gauge does too."""

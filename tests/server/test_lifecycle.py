@@ -231,6 +231,8 @@ def test_server_config_flags_env_and_bounds():
         for bad in (lo - 1, hi * 2 + 1):
             with pytest.raises(ValueError, match=name):
                 ServerConfig(**{name: type(getattr(ServerConfig(), name))(bad)}).validate()
+    with pytest.raises(ValueError, match="stream_interval_max_ms must be at least"):
+        ServerConfig(stream_interval_ms=20.0, stream_interval_max_ms=10.0).validate()
     with pytest.raises(ValueError, match="KVSERVE_THREADS"):
         ServerConfig.from_args(p.parse_args([]), environ={"KVSERVE_THREADS": "many"})
     assert "s3" not in str(ServerConfig(auth_token="s3").public_dict())
