@@ -233,10 +233,6 @@ class _Bound:
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
         self.needs_sync = bool(self._refresh or self.attn_names)  # (CPU, plain: nothing to do)
         self.run = lambda: sess.run_with_iobinding(b)
-        # a step writes its n ids and counters with struct (one C call each, into the arrays'
-        # buffers): numpy's ufunc machinery, run right after onnxruntime has evicted the caches,
-        # cost ~10-30 us a call on the 2-core bench machine
-        self.longs, self.ints = struct.Struct(f"{n}q"), struct.Struct(f"{n}i")
 
     def sync(self) -> None:
         """After the host arrays were written: device copies, fresh attention outputs."""
@@ -410,6 +406,10 @@ class FusedLM(ArtifactRunner):
         buffer generations are dropped (they hold the old buffers alive)."""
         bound = _Bound(self, self.session(attention), kv, 0, n, 1, attention, False)
         bound.qlens[:] = 1
+        # a step writes its n ids and counters with struct (one C call each, into the arrays'
+        # buffers): numpy's ufunc machinery, run right after onnxruntime has evicted the caches,
+        # cost ~10-30 us a call on the 2-core bench machine
+        bound.longs, bound.ints = struct.Struct(f"{n}q"), struct.Struct(f"{n}i")
         self._bound = {k: v for k, v in self._bound.items() if k[2] == kv.generation}
         self._bound[(attention, n, kv.generation)] = bound
         return bound

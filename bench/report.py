@@ -171,14 +171,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
             name = "step_ms" if B == 1 else f"step_ms_batch{B}"
             steps = _get(size, "runners", "loop", name) or {}
             # each turn measured both positions interleaved: the median of its ratios
-            per_turn = [_ratio(t.get("1000"), t.get("16"))
-                        for t in _get(size, "runners", "loop", name + "_turns") or []]
-            per_turn = [x for x in per_turn if x is not None]
+            per_turn, g = (_turn_ratios(size, runner, name) for runner in ("loop", "genai"))
             r = statistics.median(per_turn) if per_turn else \
                 _ratio(steps.get("1000"), steps.get("16"))
-            g = [_ratio(t.get("1000"), t.get("16"))
-                 for t in _get(size, "runners", "genai", name + "_turns") or []]
-            g = [x for x in g if x is not None]
             out.append(_at_most(f"bench-100m: decode step at position 1000 ≤ {limit}× "
                                 f"position 16, batch {B}", r, limit,
                                 "attention reads the cache rows of every position: at 1000 "
@@ -203,6 +198,13 @@ def targets(results: dict[str, dict]) -> list[dict]:
             f"{_fmt(q)} vs {_fmt(f)} tok/s; perplexity change "
             f"{'–' if change is None else f'{change:+.2%}'}"))
     return out
+
+
+def _turn_ratios(size: dict, runner: str, name: str) -> list[float]:
+    """step(1000) / step(16) of each of a runner's step turns (``<name>_turns``)."""
+    ratios = [_ratio(t.get("1000"), t.get("16"))
+              for t in _get(size, "runners", runner, name + "_turns") or []]
+    return [x for x in ratios if x is not None]
 
 
 def _why_engine_vs_genai(size: dict, B: int, n: int, r, loop_r) -> str:

@@ -192,11 +192,12 @@ class EngineRunner(Runner):
         self.cfg = self.lm.cfg
         tb = TokenBytes(HFTokenizer.from_file(str(Path(artifact) / "tokenizer.json")),
                         self.cfg.vocab_size)
+        c = ServerConfig()  # the server's defaults
         self.engine = Engine(self.lm, tb, max_batch=max_batch, max_queue=256,
-                             score_chunk_floats=ServerConfig().score_chunk_floats,
-                             stream_interval=ServerConfig().stream_interval_ms / 1000,
-                             stream_interval_max=ServerConfig().stream_interval_max_ms / 1000,
-                             prefill_chunk_tokens=ServerConfig().prefill_chunk_tokens,
+                             score_chunk_floats=c.score_chunk_floats,
+                             stream_interval=c.stream_interval_ms / 1000,
+                             stream_interval_max=c.stream_interval_max_ms / 1000,
+                             prefill_chunk_tokens=c.prefill_chunk_tokens,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics())
         self.metrics = self.engine.metrics
         self.engine.start()

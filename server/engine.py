@@ -158,7 +158,6 @@ class Engine:
         self._interval = stream_interval  # until the next round: after one of N callers
         self._staged: set = set()  # the callers' channels holding events back
         self._holding: list[_Seq] = []  # sequences with held tokens (lean steps)
-        self._attending = False  # whether an active sequence asks for attention rows
         self._woken = 0.0  # when the staged callers were last woken
         self.metrics = metrics or NullMetrics()
         self.kv = lm.new_cache(max_batch)  # lm: kvserve.artifact's FusedLM or PortableLM
@@ -369,7 +368,6 @@ class Engine:
             self._prefill(group, attention=False)
         for seq in attn:
             self._prefill([seq], attention=True)
-        self._attending = any(s.wants_attention for s in self.active)
 
     def _prefill(self, group: list[_Seq], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
@@ -420,7 +418,7 @@ class Engine:
     def _decode_step(self) -> None:
         active = self.active
         n = len(active)
-        attention = self._attending and any(s.wants_attention and not s.forced for s in active)
+        attention = any(s.wants_attention and not s.forced for s in active)
         tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
             # events handed over before that refill, which may take a while)
@@ -489,17 +487,9 @@ class Engine:
         """Make the events of ``seq``'s held tokens (text through its detokenizer, in order)
         and stage them for its caller."""
         held, seq.held = seq.held, []
-        box = seq.handle.events
         k = len(seq.generated) - len(held)
-        push, token, text = seq.detok.push, self.metrics.token, seq.text
-        for tok, t in held:
-            ev = TokenEvent(index=k, token_id=tok, text=push(tok))
-            token(False, t - seq.last_token)
-            seq.last_token = t
-            text.append(ev.text)
-            box.stage(ev)
-            k += 1
-        self._staged.add(box)
+        for j, (tok, t) in enumerate(held):  # (never the first token: that one is put at once)
+            self._emit(seq, TokenEvent(index=k + j, token_id=tok, text=seq.detok.push(tok)), t)
 
     def _on_logits(self, seq: _Seq, raw: np.ndarray, attention, tok: int | None = None
                    ) -> None:
@@ -544,8 +534,11 @@ class Engine:
             ev.attention = attention
         return ev
 
-    def _emit(self, seq: _Seq, ev: TokenEvent) -> None:
-        now = time.monotonic()
+    def _emit(self, seq: _Seq, ev: TokenEvent, now: float | None = None) -> None:
+        """Hand ``ev`` to the caller (staged, or put at once); ``now``: when its token was
+        chosen (a held token's step), by default now."""
+        if now is None:
+            now = time.monotonic()
         first = ev.index == 0
         self.metrics.token(first, now - (seq.submitted if first else seq.last_token))
         if first:
@@ -616,7 +609,6 @@ class Engine:
                 self.active[i] = self.active[last]
             self.active.pop()
         if gone:  # give back the memory long sequences left (their slots are free now)
-            self._attending = any(s.wants_attention for s in self.active)
             self.kv.shrink_to_fit(len(self.active),
                                   max((self._rows(s) for s in self.active), default=0))
 
