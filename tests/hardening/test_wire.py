@@ -204,12 +204,19 @@ def test_requests_at_the_size_limit_cost_about_their_size(srv):
         # else the server allocates meanwhile: one call in CI once read 5.1x (16.4 MB for 3.2)
         # while the other two read 1.4x and 2.7x. So the typical call (the median of three)
         # is held to 3x, and every call to 6x. Before the fix: ~1 GB for 40 MB (25x).
-        assert statistics.median(peaks) <= 3 * size + (2 << 20), report
-        assert max(peaks) <= 6 * size + (2 << 20), report
-        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # (that one: the time to send 40 MB)
-            # a guard, not the benchmark (measured here: 3-15 ms; the target is 0.5 s; before
-            # the fix: 2-6 s)
-            assert seconds < 1.5, report
+        # A message far over the limit never reaches kvserve: what the server holds of it is
+        # the HTTP/2 frames grpc-core took in before refusing it, which follows the flow-control
+        # window rather than the limit (measured 0-15 MB a call, CI once 9.7/13.4/14.9 MB). For
+        # that one every call is held to 6x the limit, about half the message itself.
+        where = [report[-1]] + report[:-1]  # the failing request first in the message
+        assert max(peaks) <= 6 * size + (2 << 20), where
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert 6 * size + (2 << 20) < 0.6 * len(data)  # that bound: about half the message
+            continue  # its time is the time to send 40 MB
+        assert statistics.median(peaks) <= 3 * size + (2 << 20), where
+        # a guard, not the benchmark (measured here: 3-15 ms; the target is 0.5 s; before the
+        # fix: 2-6 s)
+        assert seconds < 1.5, where
     print("\n".join(report))
     assert call(srv.channel, "Tokenize", pb.TokenizeRequest(texts=["ok"]).SerializeToString())
 
