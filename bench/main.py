@@ -175,7 +175,8 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
 
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
-    from .roofline import bandwidth_in_subprocess, decode_graph, decode_weight_bytes
+    from .roofline import (bandwidth_in_subprocess, decode_graph, decode_weight_bytes,
+                           peak_in_subprocess)
     from .turns import run_turns
 
     cache = Path(args.cache)
@@ -216,6 +217,19 @@ def run_size(name: str, args, results_dir: Path) -> dict:
         _BEST_BW = bw
     bw = {**_BEST_BW, "this_size_gbps": bw["gbps"]}
     rf = {"bandwidth": bw, "fp32": decode_weight_bytes(decode_graph(built.fp32))}
+    dims = json.loads((built.fp32 / "manifest.json").read_text())["model"]
+    d_model = dims["n_heads"] * dims["head_dim"]
+    rf["model"] = {"n_layers": dims["n_layers"], "d_model": d_model,
+                   "vocab_size": dims["vocab_size"],
+                   # an fp32 cache row: K and V of every layer
+                   "kv_bytes_per_token": 2 * dims["n_layers"] * dims["n_kv_heads"]
+                   * dims["head_dim"] * 4}
+    score = (pl.get("engine") or {}).get("score")
+    if score:  # the MatMul shapes of the Score call: the FFN's and the lm_head's
+        rows = score[0] * score[1]
+        rf["compute"] = peak_in_subprocess([(rows, d_model, 4 * d_model),
+                                            (rows, d_model, dims["vocab_size"])],
+                                           args.threads, 3 if args.quick else 5)
     steady = _steady(out["runners"].get("loop"))
     if steady:
         rf["fp32"]["steady_tok_s"] = steady

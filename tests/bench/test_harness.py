@@ -170,6 +170,41 @@ def test_decode_weight_bytes_skips_the_embedding(tmp_path):
     got = decode_weight_bytes(path)
     assert got["read_bytes"] == 64 * 32 * 4 + 64 * 32
     assert got["embedding_bytes"] == 1000 * 64 * 4
+    assert got["matmul_params"] == 64 * 32  # w (a MatMul's weight); not the table, not q
+
+
+def test_matmul_peak_runs_onnxruntime():
+    pytest.importorskip("onnx")
+    from kvserve.bench.roofline import matmul_peak
+
+    got = matmul_peak([(64, 32, 48), (8, 32, 16)], threads=1, repeats=2)
+    assert set(got["gflops_by_shape"]) == {"64x32x48", "8x32x16"}
+    assert got["gflops"] == max(got["gflops_by_shape"].values()) > 0
+
+
+def test_score_roofline_and_step_floor_explain_the_targets():
+    """The Score target's why names its compute roofline (3x transformers above it here), the
+    step-ratio targets their memory floor; the per-size section prints the compute roofline."""
+    from kvserve.bench.roofline import score_flops_per_token
+
+    size = _size(1000, 1000, score=150, hf_score=100)
+    size["runners"]["loop"]["step_ms_batch16"] = {"16": 20.0, "1000": 40.0}
+    size["roofline"] = {"bandwidth": {"gbps": 30.0, "array_mb": 512, "repeats": 7},
+                        "fp32": {"read_bytes": 4 * 10**6, "matmul_params": 10**6},
+                        "model": {"n_layers": 2, "d_model": 64, "vocab_size": 512,
+                                  "kv_bytes_per_token": 2 * 2 * 2 * 32 * 4},
+                        "compute": {"gflops": 0.5, "gflops_by_shape": {"2048x64x256": 0.5}}}
+    flops = score_flops_per_token(10**6, 2, 64, 256)
+    assert flops == 2e6 + 4 * 2 * 64 * 128.5
+    ts = {t["target"]: t for t in report.targets({"bench-100m": size})}
+    sc = ts["bench-100m: Score ≥ 3× transformers eager (8 × 256)"]
+    roof = 0.5e9 / flops  # ~240 tok/s: 3x transformers (300) is above it
+    assert f"3× is 300 tok/s, above this machine's compute roofline of {roof:,.0f}" in sc["why"]
+    b16 = ts["bench-100m: decode step at position 1000 ≤ 1.5× position 16, batch 16"]
+    extra_ms = 16 * 984 * 1024 / 30e9 * 1e3
+    assert f"a floor of {(20 + extra_ms) / 20:.2f}×" in b16["why"]
+    text = "\n".join(report._size_tables("bench-100m", size))
+    assert f"→ roofline {roof:,.0f} tok/s; the engine's Score reaches 150 tok/s" in text
 
 
 def test_results_go_to_a_fresh_directory_unless_asked(tmp_path):
