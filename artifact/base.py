@@ -39,6 +39,12 @@ class ArtifactRunner:
         self.providers = choose_providers(provider, tf32)
         check_optimized_for(self.manifest, self.providers)
         self.options = options or session_options(threads, spin)
+        # the diagnostics sessions' (attention weights, asked for now and then): their weights
+        # stay in the artifact's memory-mapped data file, not a second copy in the process
+        # (only a copy once per session otherwise: onnxruntime's Python API cannot share the
+        # packed weights of the main session)
+        self.diagnostics_options = session_options(self.options.intra_op_num_threads, spin,
+                                                   prepack=False)
         self.ort_seconds = 0.0  # time inside onnxruntime's runs, all calls (profiling tools)
         self._log_softmax: LogSoftmax | None = None
 

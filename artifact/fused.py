@@ -272,7 +272,8 @@ class FusedLM(ArtifactRunner):
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
-        return ort.InferenceSession(str(path), self.options, providers=self.providers)
+        options = self.options if role == "main" else self.diagnostics_options
+        return ort.InferenceSession(str(path), options, providers=self.providers)
 
     @property
     def has_attention(self) -> bool:

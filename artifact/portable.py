@@ -140,13 +140,13 @@ class PortableLM(ArtifactRunner):
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None):
         super().__init__(artifact_dir, provider, threads, spin, tf32, options)
-        so = self.options
         self.sessions: dict[str, ort.InferenceSession] = {}
         graphs = self.manifest["graphs"]
         names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"]
                                          if attention and "decode_attn" in graphs else [])
         for name in names:
             path = self.dir / graphs[name]["file"]
+            so = self.diagnostics_options if name.endswith("_attn") else self.options
             self.sessions[name] = ort.InferenceSession(str(path), so, providers=self.providers)
         self.provider = self.sessions["decode"].get_providers()[0]
         # a binding made once sees in-place updates of host arrays only on the CPU provider;

@@ -34,9 +34,16 @@ def device_of(providers: list) -> str:
     return "cuda" if provider_name(providers[0]) == CUDA else "cpu"
 
 
-def session_options(threads: int | None = None, spin: bool = True) -> ort.SessionOptions:
+def session_options(threads: int | None = None, spin: bool = True, prepack: bool = True
+                    ) -> ort.SessionOptions:
+    """``prepack=False``: the session keeps its weights as the artifact stores them instead of
+    copying them into the kernels' packed layouts. On CPU onnxruntime then reads them from the
+    memory-mapped data file, so the session holds no copy of its own (its matmuls pack per
+    call: slower). For sessions used now and then next to the main one (diagnostics)."""
     so = ort.SessionOptions()
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if not prepack:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = threads or min(os.cpu_count() or 1, 8)
     so.inter_op_num_threads = 1
