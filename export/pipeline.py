@@ -61,7 +61,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                     "(%s)", "; ".join(why_portable))
     if kind == PORTABLE and precision == "int4":
         raise ValueError("--precision int4 needs the fused graph (MatMulNBits); this export is "
-                         "portable")
+                         "portable (" + ("; ".join(why_portable) or "--portable") + ")")
     specs = _specs(kind, attention)
     transformed = precision != "fp32" or optimize
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -111,7 +111,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                 if not np.isfinite(change) or change > max_ppl_increase:
                     raise prec.PrecisionError(
                         f"{label} raises validation perplexity by {change:+.1%} "
-                        f"(> {max_ppl_increase:.0%} allowed)")
+                        f"(at most {max_ppl_increase:+.2%} allowed)")
             del lm
             bar.update()
 

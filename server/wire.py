@@ -279,8 +279,8 @@ class WireInterceptor(grpc.ServerInterceptor):
                 cap, what = limit.caps[e.path]
                 self.on_refused(rpc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"{rpc} request has more than {guard(cap)} {what} ({e.path}); "
-                              f"the limit is {cap}")
+                              f"{rpc} request has too many {what} ({e.path}); the limit is "
+                              f"{cap} (refused while reading, at {e.count})")
             except (Malformed, DecodeError, UnicodeDecodeError, RecursionError,
                     ValueError) as e:
                 self.on_malformed(rpc)

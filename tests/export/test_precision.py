@@ -88,3 +88,25 @@ def test_serving_fp16_on_the_cpu_provider_warns(store, precision, caplog):
         app.load()
     warned = [r for r in caplog.records if "made for the CUDA provider" in r.getMessage()]
     assert len(warned) == (precision == "fp16")
+
+
+def test_int4_on_a_portable_export_says_why_it_is_portable(tmp_path):
+    """int4 needs the fused graph: refused before any export work, naming why the export is
+    portable (a head_dim the fused graph cannot take, or --portable)."""
+    import torch
+
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.config import ModelConfig
+    from kvserve.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=48, n_layers=1, n_heads=2, n_kv_heads=1,
+                      max_seq_len=32)  # head_dim 24
+    ckpt = save_checkpoint(tmp_path / "ckpt", Transformer(cfg).eval())
+    with pytest.raises(ValueError, match=r"int4 needs the fused graph.*head_dim 24 is not a "
+                                         r"multiple of 16"):
+        export_artifacts(ckpt, tmp_path / "a", precision="int4", progress=False)
+    with pytest.raises(ValueError, match=r"this export is portable \(--portable\)"):
+        export_artifacts(ckpt, tmp_path / "b", precision="int4", portable=True, progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -221,6 +221,18 @@ def test_requests_at_the_size_limit_cost_about_their_size(srv):
     assert call(srv.channel, "Tokenize", pb.TokenizeRequest(texts=["ok"]).SerializeToString())
 
 
+@pytest.mark.parametrize("n", [9, 100])
+def test_a_cap_is_named_once_whoever_refuses(srv, n):
+    """Just over the cap the servicer refuses; far over it the wire check does, while reading:
+    both name the same one limit (the wire check used to say "more than 32 ...; the limit is
+    8")."""
+    data = pb.GenerateRequest(text="hi", stopping=pb.StoppingOptions(
+        max_new_tokens=2, stop=[f"s{i}" for i in range(n)])).SerializeToString()
+    e = _refused(srv, "Generate", data)
+    assert e.code() == IA and "the limit is 8" in e.details(), e.details()
+    assert "32" not in e.details() and "more than" not in e.details(), e.details()
+
+
 def test_score_texts_stop_tokenizing_at_the_token_budget(srv):
     """Within the character budget (4 x 200,000) but far over the token budget (65,536): the
     texts are tokenized one at a time and the call is refused after the first, not after all
