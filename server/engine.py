@@ -223,11 +223,14 @@ class Engine:
             self._cond.notify_all()
         return h
 
-    def submit_many(self, reqs: list[GenerateRequest]) -> list[Handle]:
+    def submit_many(self, reqs: list[GenerateRequest], events: list | None = None
+                    ) -> list[Handle]:
         """Several requests queued in one critical section, so the engine admits them in the
-        same iteration (as far as free slots allow). All or, on QueueFull, the ones before."""
+        same iteration (as far as free slots allow). All or, on QueueFull, the ones before.
+        ``events``: each request's events box (as ``submit``'s), by default new channels."""
+        boxes = events if events is not None else [None] * len(reqs)
         with self._cond:  # reentrant: submit takes it too
-            return [self.submit(r) for r in reqs]
+            return [self.submit(r, b) for r, b in zip(reqs, boxes, strict=True)]
 
     def submit_score(self, req: ScoreRequest) -> tuple[Handle, concurrent.futures.Future]:
         h = Handle(self, req.request_id or f"score-{next(self._ids)}")

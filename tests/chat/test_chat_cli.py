@@ -116,11 +116,21 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
              f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "600", "--stats"], env)
     try:
         p.expect(rb"you> ")
+
+        def reset():
+            # an empty line first: a Ctrl-C that landed as the prompt was drawn is only seen
+            # with the next key (see above), and would otherwise swallow the /reset, leaving
+            # the history (and the next prompt) growing with every round
+            p.send(b"\r")
+            p.expect(rb"you> ")
+            p.send(b"/reset\r")
+            p.expect(rb"\[history cleared\]")
+            p.expect(rb"you> ")
+
         stopped, seen = False, []
         for _ in range(5):  # an answer that ended before the Ctrl-C landed: again
             before = chat_app.metrics.requests.get(rpc="Generate", outcome="cancelled")
-            p.send(b"/reset\r")
-            p.expect(rb"you> ")
+            reset()
             p.send(b"hello there\r")
             p.expect(rb"there\r?\n.")  # the echo, then the first text of the answer
             p.send(b"\x03")
@@ -136,6 +146,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
             if stopped:
                 break
         assert stopped, f"Ctrl-C never stopped an answer that the server cancelled: {seen}"
+        reset()  # (the stopped answer's history plus 600 new tokens could pass the context)
         p.send(b"again\r")  # the session goes on
         p.expect(rb"\[(length|eos_token)[^\]]*\]")
         p.expect(rb"you> ")
