@@ -45,7 +45,9 @@ def test_precision_artifact(store, precision):
     types = {t.data_type for t in inits}
     if precision == "int8":
         assert q["tolerance"] is None  # int8 is judged by perplexity, not a logit bound
-        assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
+        # every weight matmul integer, its activations quantized per row in the graph
+        assert {"MatMulInteger", "ReduceMax"} <= ops and "MatMul" not in ops
+        assert "DynamicQuantizeLinear" not in ops  # (one scale over the whole batch)
         assert onnx.TensorProto.INT8 in types
     elif precision == "int4":
         assert q["tolerance"] is None  # judged by perplexity, as int8
@@ -110,3 +112,24 @@ def test_int4_on_a_portable_export_says_why_it_is_portable(tmp_path):
     with pytest.raises(ValueError, match=r"this export is portable \(--portable\)"):
         export_artifacts(ckpt, tmp_path / "b", precision="int4", portable=True, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp32"])
+def test_a_rows_logits_do_not_depend_on_its_batch(store, main_artifact, precision):
+    """The same sequence gives bitwise the same logits alone and next to others, through
+    prefill and decode steps: int8 quantizes activations per row (with one scale for the
+    whole batch, as quantize_dynamic did, a row moved with its neighbours)."""
+    art = store.artifact(PRECISION_CONFIGS["int8"]) if precision == "int8" else main_artifact
+    lm = load_lm(art, provider="cpu", threads=1, attention=False)
+    V = lm.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(2, V, n)) for n in (9, 23, 4, 15)]
+    alone, batch = lm.new_cache(1), lm.new_cache(4)
+    a = lm.prefill(alone, 0, prompts[:1], last=True).logits[0][-1].copy()
+    b = lm.prefill(batch, 0, prompts, last=True).logits[0][-1].copy()
+    assert np.array_equal(a, b), np.abs(a - b).max()
+    for step in range(8):
+        t = int(rng.integers(2, V))
+        a = lm.decode(alone, 1, [t])[0][0].copy()
+        b = lm.decode(batch, 4, [t, *rng.integers(2, V, 3).tolist()])[0][0].copy()
+        assert np.array_equal(a, b), (step, np.abs(a - b).max())
