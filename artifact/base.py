@@ -32,7 +32,7 @@ class ArtifactRunner:
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, spin: bool = True, tf32: bool = False,
-                 options: ort.SessionOptions | None = None):
+                 options: ort.SessionOptions | None = None, attention_copy: bool = False):
         self.dir = Path(artifact_dir)
         self.cfg = ModelConfig.load(self.dir / CONFIG)
         self.manifest = json.loads((self.dir / MANIFEST).read_text())
@@ -41,10 +41,10 @@ class ArtifactRunner:
         self.options = options or session_options(threads, spin)
         # the diagnostics sessions' (attention weights, asked for now and then): their weights
         # stay in the artifact's memory-mapped data file, not a second copy in the process
-        # (only a copy once per session otherwise: onnxruntime's Python API cannot share the
-        # packed weights of the main session)
-        self.diagnostics_options = session_options(self.options.intra_op_num_threads, spin,
-                                                   prepack=False)
+        # (onnxruntime's Python API cannot share the packed weights of the main session), and
+        # their matmuls pack per call (~3x slower steps); ``attention_copy``: a packed copy
+        self.diagnostics_options = self.options if attention_copy else \
+            session_options(self.options.intra_op_num_threads, spin, prepack=False)
         self.ort_seconds = 0.0  # time inside onnxruntime's runs, all calls (profiling tools)
         self._log_softmax: LogSoftmax | None = None
 

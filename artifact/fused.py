@@ -256,8 +256,9 @@ class FusedLM(ArtifactRunner):
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
-                 tf32: bool = False, options: ort.SessionOptions | None = None):
-        super().__init__(artifact_dir, provider, threads, spin, tf32, options)
+                 tf32: bool = False, options: ort.SessionOptions | None = None,
+                 attention_copy: bool = False):
+        super().__init__(artifact_dir, provider, threads, spin, tf32, options, attention_copy)
         runtime = self.runtime = self.manifest["runtime"]
         self.device = device_of(self.providers)
         self.host_inputs = set(runtime.get("host_inputs", ())) if self.device != "cpu" else set()

@@ -19,7 +19,7 @@ def artifact_kind(artifact_dir: str | Path) -> str:
 
 def load_lm(artifact_dir: str | Path, **kw) -> FusedLM | PortableLM:
     """FusedLM or PortableLM for ``artifact_dir``; keywords as theirs (provider, threads,
-    attention, spin, tf32, options)."""
+    attention, spin, tf32, options, attention_copy)."""
     kind = artifact_kind(artifact_dir)
     if kind == FUSED:
         return FusedLM(artifact_dir, **kw)

@@ -138,8 +138,9 @@ class PortableLM(ArtifactRunner):
 
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
-                 tf32: bool = False, options: ort.SessionOptions | None = None):
-        super().__init__(artifact_dir, provider, threads, spin, tf32, options)
+                 tf32: bool = False, options: ort.SessionOptions | None = None,
+                 attention_copy: bool = False):
+        super().__init__(artifact_dir, provider, threads, spin, tf32, options, attention_copy)
         self.sessions: dict[str, ort.InferenceSession] = {}
         graphs = self.manifest["graphs"]
         names = ["prefill", "decode"] + (["prefill_attn", "decode_attn"]

@@ -77,7 +77,8 @@ class App:
         try:
             self.lm = load_lm(self.dir, provider=self.cfg.provider,
                               threads=self.cfg.threads or None, spin=self.cfg.spin,
-                              tf32=self.cfg.tf32, attention=self.cfg.attention)
+                              tf32=self.cfg.tf32, attention=self.cfg.attention,
+                              attention_copy=self.cfg.attention_copy)
             # verified: tokenizer.json is either listed in the manifest and intact, or absent
             tok_path = self.dir / TOKENIZER
             self.tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None

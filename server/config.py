@@ -158,6 +158,10 @@ class ServerConfig:
     auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "
                                "prefer the env var KVSERVE_AUTH_TOKEN over the flag")
     attention: bool = _opt(True, "load the attention-diagnostics graphs when present")
+    attention_copy: bool = _opt(False, "give the attention-diagnostics graph its own packed "
+                                       "copy of the weights: steps that carry attention run "
+                                       "~3x faster, for the weights' size in memory (off: it "
+                                       "reads them from the memory-mapped artifact)")
     verify: bool = _opt(True, "verify the artifact against its manifest before loading (off: "
                               "no sha256 or onnx.checker; paths, sizes, schema and the config "
                               "against the graphs are still checked)")
