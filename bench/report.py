@@ -205,9 +205,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
         out.append(_target(
             "bench-100m: int8 ≥ 2.5× fp32 at batch 1 (128 new tokens)",
             paired(size, "engine_int8", "engine", "1x128"), 2.5,
-            f"weights read per step shrink {_fmt(bytes_ratio, 2)}× (int8 MatMulInteger/"
-            f"DynamicQuantizeMatMul), but each step also quantizes activations and the "
-            f"lm_head/attention stay fp32-sized work; the bound is the bytes ratio, not 4×",
+            f"weights read per step shrink {_fmt(bytes_ratio, 2)}× (int8 MatMulInteger), "
+            f"but each step also quantizes every matmul's activations per row and "
+            f"attention (fp32 cache) stays fp32 work; the bound is the bytes ratio, not 4×",
             f"{_fmt(q)} vs {_fmt(f)} tok/s; perplexity change "
             f"{'–' if change is None else f'{change:+.2%}'}"))
     return out
