@@ -37,7 +37,12 @@ def test_a_blocked_caller_sleeps_through_stage_and_wakes_on_wake():
 
     th = threading.Thread(target=consumer)
     th.start()
-    time.sleep(0.05)
+    # until the consumer waits on the channel's Event (CPython's Event keeps a Condition
+    # whose waiters are listed), not a fixed sleep: a late-starting thread would find "a"
+    end = time.monotonic() + 5
+    while not ch._ready._cond._waiters and time.monotonic() < end:
+        time.sleep(0.001)
+    assert ch._ready._cond._waiters, "the consumer never blocked"
     ch.stage("a")
     time.sleep(0.1)
     woke_at = time.monotonic()

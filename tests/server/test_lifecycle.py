@@ -32,7 +32,20 @@ def wait_for(cond, timeout=5.0):
     return cond()
 
 
-def test_cancellation_frees_the_slot(stub, app):
+def _slowed(monkeypatch, app, seconds: float) -> None:
+    """Every decode step of ``app`` sleeps first: a generation outlasts the test's next steps
+    on a loaded machine (240 tokens of the tiny model otherwise take ~50 ms)."""
+    decode = app.lm.decode
+
+    def slow(*a, **kw):
+        time.sleep(seconds)
+        return decode(*a, **kw)
+
+    monkeypatch.setattr(app.lm, "decode", slow)
+
+
+def test_cancellation_frees_the_slot(stub, app, monkeypatch):
+    _slowed(monkeypatch, app, 0.01)
     call = stub.Generate(gen_request("x", 240))
     next(call)
     assert app.engine.load()["running"] == 1
@@ -54,8 +67,10 @@ def test_deadline_exceeded_stops_the_work(stub, app):
                     + app.metrics.requests.get(rpc="Generate", outcome="cancelled") > before)
 
 
-def test_overload_is_resource_exhausted_and_queued_requests_are_cancellable(artifact):
+def test_overload_is_resource_exhausted_and_queued_requests_are_cancellable(artifact,
+                                                                            monkeypatch):
     with running_app(artifact, max_batch=1, max_queue=1) as app:
+        _slowed(monkeypatch, app, 0.005)  # a holds its slot while the rest happens
         ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         stub = pb_grpc.InferenceStub(ch)
         a = stub.Generate(gen_request("x", 240, **SLOW))
