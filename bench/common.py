@@ -43,13 +43,13 @@ def versions() -> dict:
 
 
 def proc_memory(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS and VmHWM (peak) of a process, in bytes, from ``/proc/PID/status`` (empty when
-    unreadable). VmHWM, not ``ru_maxrss``: Linux carries that across fork+exec, so a child
+    """VmRSS, VmHWM (peak) and RssAnon (its anonymous part: not file-backed) of a process, in
+    bytes, from ``/proc/PID/status`` (empty when unreadable). VmHWM, not ``ru_maxrss``: Linux carries that across fork+exec, so a child
     would report its parent's peak."""
     out: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("VmRSS:", "VmHWM:")):
+            if line.startswith(("VmRSS:", "VmHWM:", "RssAnon:")):
                 out[line.split(":")[0]] = int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -57,6 +57,6 @@ def proc_memory(pid: int | str = "self") -> dict[str, int]:
 
 
 def memory_mb(key: str, pid: int | str = "self") -> float:
-    """``VmRSS`` or ``VmHWM`` of a process in MiB (NaN when unreadable)."""
+    """``VmRSS``, ``VmHWM`` or ``RssAnon`` of a process in MiB (NaN when unreadable)."""
     b = proc_memory(pid).get(key)
     return float("nan") if b is None else b / 2**20

@@ -112,7 +112,7 @@ def quantize_int8_rows(model: onnx.ModelProto) -> onnx.ModelProto:
         col = np.abs(w).max(axis=0) / INT8_WEIGHT_MAX  # (N,)
         col[col == 0] = 1.0
         wq = np.clip(np.rint(w / col), -INT8_WEIGHT_MAX, INT8_WEIGHT_MAX).astype(np.int8)
-        base = f"q8.{len(quantized)}.{node.name or node.output[0]}"
+        base = f"q8.{node.output[0]}"  # (output names are unique in a graph)
         new_inits += [numpy_helper.from_array(wq, t.name + ".int8"),
                       numpy_helper.from_array(col.astype(np.float32), t.name + ".scale")]
         users[t.name] -= 1

@@ -19,12 +19,12 @@ from kvserve.model.config import ModelConfig
 torch = pytest.importorskip("torch")
 
 PROBE = r"""
-import json, re, sys
+import json, sys
 from kvserve.artifact.fused import FusedLM
+from kvserve.bench.common import proc_memory
 
 def anon():
-    s = open("/proc/self/status").read()
-    return int(re.search(r"RssAnon:\s+(\d+)", s).group(1)) * 1024
+    return proc_memory()["RssAnon"]
 
 # control: the diagnostics session with a packed copy of its own (serve --attention-copy)
 lm = FusedLM(sys.argv[1], provider="cpu", threads=1, attention=True,

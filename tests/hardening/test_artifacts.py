@@ -245,12 +245,10 @@ def _writable_copy(src: Path, dst: Path) -> Path:
 
 
 _WITH_PEAK = """
-import atexit, re, runpy, sys
+import atexit, runpy, sys
+from kvserve.bench.common import proc_memory
 out = sys.argv.pop(1)
-def peak():
-    kb = re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)
-    open(out, "w").write(str(int(kb) * 1024))
-atexit.register(peak)
+atexit.register(lambda: open(out, "w").write(str(proc_memory()["VmHWM"])))
 sys.argv[0] = "kvserve"
 runpy.run_module("kvserve.cli", run_name="__main__")
 """
@@ -269,8 +267,8 @@ def refusals(artifact, tmp_path_factory):
     def run(item):
         name, (root, parts, port_file) = item
         hwm = port_file.with_name("vmhwm")
-        # kvserve serve, which writes its own peak RSS (VmHWM) to a file as it exits (a
-        # child's ru_maxrss here would be the forking pytest process's)
+        # kvserve serve, which writes its own peak RSS (VmHWM) to a file as it exits
+        # (bench.common.proc_memory says why not ru_maxrss)
         cmd = [sys.executable, "-c", _WITH_PEAK, str(hwm), *serve_cmd(root, port_file)[3:]]
         t0 = time.monotonic()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
