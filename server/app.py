@@ -28,7 +28,8 @@ from .chat_template import ChatTemplate
 from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
-from .engine import Engine, NullMetrics
+from .engine import Engine
+from .interfaces import NullMetrics
 from .metrics import Metrics, MetricsServer
 from .prompts import Prompts
 from .servicer import InferenceServicer, ServingState, model_info

@@ -102,7 +102,7 @@ class Histogram(_Metric):
 
 
 class Metrics:
-    """The server's metrics; the engine calls the hook methods (see engine.NullMetrics)."""
+    """The server's metrics; the engine calls the hook methods (interfaces.EngineMetrics)."""
 
     def __init__(self) -> None:
         p = "kvserve_"

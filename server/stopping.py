@@ -1,12 +1,18 @@
 """When a sequence stops, as pure functions of its state (vLLM keeps this apart too): the
 tokens it may not choose yet, and whether the token just chosen ends it (eos, a stop id, a stop
-string, the length). The text side (detokenizer, stop-string matcher) is passed in."""
+string, the length). The text side (detokenizer, stop-string matcher) is passed in.
+
+Every end rule lives here, the engine's short paths included: ``argmax_from`` (from which
+token a plain argmax is the token ``next_token`` would pick) and ``QuietRule`` (which tokens
+of a lean step cannot end the sequence, known from the id alone)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.model.sampling import SamplingParams
+
 from .detok import IncrementalDetokenizer, StopMatcher
-from .domain import FinishReason, StopParams
+from .domain import FinishReason, OutputParams, StopParams
 
 
 def banned_ids(st: StopParams, eos_ids: frozenset[int], generated: int) -> list[int]:
@@ -53,3 +59,41 @@ def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int]
         else:
             r.text += stopper.flush()
     return r
+
+
+def argmax_from(p: SamplingParams, st: StopParams, eos_ids: frozenset[int]) -> int | None:
+    """The generated-token index from which a plain argmax of the row is the token
+    ``next_token`` would pick: greedy without penalties, once no id is banned any more (stop
+    ids and eos are banned before ``min_new_tokens``, see ``banned_ids``). None: never."""
+    if not p.greedy or p.has_penalties:
+        return None
+    banned = st.stop_token_ids or (eos_ids and not st.ignore_eos)
+    return st.min_new_tokens if banned else 0
+
+
+@dataclass(frozen=True, slots=True)
+class QuietRule:
+    """From generated-token index ``start`` on, a token not in ``ends`` that leaves room for
+    another (``k + 1 < max_new_tokens``) cannot end the sequence: ``check_stop`` would find no
+    eos, no stop id, no length, and (no stop strings) no stop string. Such a token needs no
+    text at once: the engine records it and makes its text and event later, in order."""
+    start: int
+    ends: frozenset
+    max_new_tokens: int
+
+    def quiet(self, tok: int, k: int) -> bool:
+        """Token ``tok`` chosen as generated-token index ``k`` goes on quietly."""
+        return k >= self.start and tok not in self.ends and k + 1 < self.max_new_tokens
+
+
+def quiet_rule(p: SamplingParams, st: StopParams, out: OutputParams, eos_ids: frozenset[int],
+               staged: bool) -> QuietRule | None:
+    """The sequence's ``QuietRule``, or None where every token needs its text and event at
+    once: not a plain argmax (``argmax_from``), a caller woken per token, stop strings (their
+    matching needs each token's text) or per-token outputs. The first token is never quiet."""
+    first = argmax_from(p, st, eos_ids)
+    if first is None or not staged or any(st.stop) or out.logprobs or out.top_logprobs \
+            or out.return_logits or out.attention:
+        return None
+    ends = frozenset(st.stop_token_ids) | (frozenset() if st.ignore_eos else eos_ids)
+    return QuietRule(max(first, st.min_new_tokens, 1), ends, st.max_new_tokens)

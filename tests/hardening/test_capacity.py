@@ -61,14 +61,14 @@ def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
     # A slot frees: a call sent the moment a stream ends is accepted, even while the engine
     # has not yet compacted its batch (held here for 0.3 s after a sequence finishes, as a busy
     # machine may hold it; before the fix this answered RESOURCE_EXHAUSTED).
-    retire = app.engine._retire_done
+    retire = app.engine.sched.retire_done
 
     def slow_retire():
         if any(s.done for s in app.engine.active):
             time.sleep(0.3)
         retire()
 
-    monkeypatch.setattr(app.engine, "_retire_done", slow_retire)
+    monkeypatch.setattr(app.engine.sched, "retire_done", slow_retire)
     chunks, done = collect(calls[0])
     assert done.generated_tokens == len(chunks) == 60
     _, done = collect(stub.Generate(gen_request("z", 2), timeout=30))

@@ -1,0 +1,151 @@
+"""Output processing: a chosen token becomes the caller's event (text through the sequence's
+detokenizer, end rules through ``stopping``), and callers are woken in rounds.
+
+A caller is woken at most once per ``stream_interval`` seconds (0: for every token), and at
+once for its first token and its end (``server.events``); N callers woken together wait N
+intervals for the next round, up to ``stream_interval_max``: each wake-up costs a thread
+switch and a message, so their rate stays ~1 / stream_interval in all.
+
+A quiet token (``stopping.QuietRule``: a staged caller's plain greedy token that cannot end
+the sequence) is only recorded (``hold``); its text, event and metrics are made when its
+caller is next woken (``wake_staged``), in order, or before any other event of that sequence.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from kvserve.model.sampling import token_logprobs
+
+from .domain import FinishEvent, FinishReason, OutputParams, Timings, TokenEvent
+from .interfaces import EngineMetrics
+from .sequence import Sequence
+from .stopping import StopCheck, check_stop
+
+log = logging.getLogger(__name__)
+
+
+def token_event(k: int, tok: int, raw: np.ndarray, attention, stop: StopCheck,
+                out: OutputParams) -> TokenEvent:
+    """The event of generated token ``k`` (``raw``: the model's logits row it was chosen
+    from; ``attention``: its (layer, head, row) triples, when asked)."""
+    ev = TokenEvent(index=k, token_id=tok, text=stop.text, special=stop.special)
+    if out.logprobs or out.top_logprobs:
+        ev.logprob, top_ids, top_lps = token_logprobs(raw, tok, out.top_logprobs)
+        if out.top_logprobs:
+            ev.top_ids, ev.top_logprobs = top_ids, top_lps
+    if out.return_logits:
+        ev.logits = np.array(raw, np.float32, copy=True)
+    if attention:
+        ev.attention = attention
+    return ev
+
+
+class OutputProcessor:
+    def __init__(self, eos_ids: frozenset[int], metrics: EngineMetrics,
+                 stream_interval: float = 0.0, stream_interval_max: float | None = None):
+        self.eos_ids = eos_ids
+        self.metrics = metrics
+        self.stream_interval = stream_interval
+        self.stream_interval_max = stream_interval if stream_interval_max is None \
+            else max(stream_interval, stream_interval_max)
+        self._interval = stream_interval  # until the next round: after one of N callers
+        self._staged: set = set()  # the callers' sinks holding events back
+        self._holding: list[Sequence] = []  # sequences with held (quiet) tokens
+        self._woken = 0.0  # when the staged callers were last woken
+
+    # --- tokens --------------------------------------------------------------------------------
+    def hold(self, seq: Sequence, tok: int, now: float) -> None:
+        """Record a quiet token (its event is made when the caller is next woken)."""
+        if not seq.held:
+            self._holding.append(seq)
+        seq.held.append((tok, now))
+        seq.generated.append(tok)
+        seq.feed = tok
+
+    def accept(self, seq: Sequence, tok: int, raw: np.ndarray, attention) -> StopCheck:
+        """``tok`` was chosen from ``raw`` as ``seq``'s next token: its text, stop checks and
+        event (and the sequence's end, when it ends it). Returns the stop check."""
+        if seq.held:  # its earlier tokens come first, through the same detokenizer
+            self._release(seq)
+        req = seq.req
+        k = len(seq.generated)
+        seq.generated.append(tok)
+        seq.feed = tok
+        stop = check_stop(tok, k, req.stopping, self.eos_ids, seq.detok, seq.stopper)
+        self._emit(seq, token_event(k, tok, raw, attention, stop, req.output))
+        if stop.finish is not None:
+            self.finish(seq, stop.finish, stop_sequence=stop.stop_sequence,
+                        stop_token=tok if stop.finish is FinishReason.STOP_TOKEN else None)
+        return stop
+
+    def _release(self, seq: Sequence) -> None:
+        """Make the events of ``seq``'s held tokens (text through its detokenizer, in order)
+        and stage them for its caller."""
+        held, seq.held = seq.held, []
+        k = len(seq.generated) - len(held)
+        for j, (tok, t) in enumerate(held):  # (never the first token: that one is put at once)
+            self._emit(seq, TokenEvent(index=k + j, token_id=tok, text=seq.detok.push(tok)), t)
+
+    def _emit(self, seq: Sequence, ev: TokenEvent, now: float | None = None) -> None:
+        """Hand ``ev`` to the caller (staged, or put at once); ``now``: when its token was
+        chosen (a held token's step), by default now."""
+        if now is None:
+            now = time.monotonic()
+        first = ev.index == 0
+        self.metrics.token(first, now - (seq.submitted if first else seq.last_token))
+        if first:
+            seq.first_token = now
+        seq.last_token = now
+        seq.text.append(ev.text)
+        box = seq.handle.events
+        if first or not seq.staged:
+            box.put(ev)  # (a sink with put alone gets every event at once)
+        else:
+            box.stage(ev)
+            self._staged.add(box)
+
+    # --- waking --------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Some caller has events staged or tokens held."""
+        return bool(self._staged or self._holding)
+
+    def due(self, now: float) -> bool:
+        """The staged callers' next round is due."""
+        return bool(self._staged or self._holding) and now - self._woken >= self._interval
+
+    def wake_staged(self) -> None:
+        for seq in self._holding:
+            if seq.held:
+                self._release(seq)
+        self._holding.clear()
+        for box in self._staged:
+            box.wake()
+        self._interval = min(self.stream_interval * max(1, len(self._staged)),
+                             self.stream_interval_max)
+        self._staged.clear()
+        self._woken = time.monotonic()
+
+    # --- the end -------------------------------------------------------------------------------
+    def finish(self, seq: Sequence, reason: FinishReason, stop_sequence: str = "",
+               stop_token: int | None = None, error: str = "") -> None:
+        if seq.held:  # (cancelled, timed out or failed between two wake-ups)
+            self._release(seq)
+        seq.done = True
+        now = time.monotonic()
+        t = Timings(queue=(seq.admitted or now) - seq.submitted,
+                    ttft=(seq.first_token - seq.submitted) if seq.first_token else 0.0,
+                    total=now - seq.submitted)
+        ev = FinishEvent(reason=reason, prompt_tokens=len(seq.req.prompt_ids),
+                         generated_tokens=len(seq.generated), text="".join(seq.text),
+                         timings=t, stop_sequence=stop_sequence, stop_token_id=stop_token,
+                         error=error)
+        self.metrics.finished(reason.value, len(seq.generated))
+        log.info("request %s finished: %s, prompt %d, generated %d, queue %.3fs, ttft %.3fs, "
+                 "total %.3fs", seq.handle.request_id, reason.value, ev.prompt_tokens,
+                 ev.generated_tokens, t.queue, t.ttft, t.total)
+        self._staged.discard(seq.handle.events)  # the put hands over what it held back
+        seq.handle.events.put(ev)

@@ -1,0 +1,126 @@
+"""Scheduling: which sequences run, in which KV slots, and how their prompts are cut.
+
+The queue (bounded: a full one refuses at once), admission into free slots (up to
+``max_batch``), the prefill groups and chunk sizes, and retirement: a finished, cancelled or
+expired sequence leaves its slot within one step, the last slot moving into the hole (the
+cache's ``move``), and the cache gives back what long sequences left. Active sequence ``i``
+lives in KV slot ``i``. Not thread-safe: the engine calls the queue side under its lock.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+from .domain import FinishReason, QueueFull
+from .interfaces import KVCache
+from .output import OutputProcessor
+from .sequence import Sequence
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, *, max_batch: int, max_queue: int, max_seq_len: int,
+                 n_heads: int, vocab_size: int, score_chunk_floats: int,
+                 prefill_chunk_tokens: int, output: OutputProcessor):
+        self.kv = kv
+        self.max_batch, self.max_queue, self.max_seq_len = max_batch, max_queue, max_seq_len
+        self.output = output
+        self.n_heads = n_heads
+        # tokens per chunk where every row's logits come back: (chunk x vocab) under the cap
+        self.chunk_tokens = max(1, score_chunk_floats // vocab_size)
+        self.score_chunk_floats = score_chunk_floats
+        # tokens per generation prefill call where only the last row's logits come back (0:
+        # the runner returns every row's)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.active: list[Sequence] = []  # active[i] lives in KV slot i
+        self.waiting: collections.deque[Sequence] = collections.deque()
+
+    # --- the queue (under the engine's lock) ---------------------------------------------------
+    def enqueue(self, seq: Sequence) -> None:
+        # a sequence that has finished (its caller may already hold the Complete) frees its
+        # slot now, not at the end of the engine's iteration: otherwise a caller who sends the
+        # next request the moment its stream ends can be told RESOURCE_EXHAUSTED
+        busy = sum(not s.done for s in list(self.active))  # list(): one atomic copy
+        free = max(0, self.max_batch - busy)
+        if len(self.waiting) - free >= self.max_queue:
+            raise QueueFull(f"the server is at capacity ({self.max_queue} requests queued); "
+                            f"retry later")
+        self.waiting.append(seq)
+
+    def take_admissions(self) -> list[Sequence]:
+        """End queued requests that were cancelled or ran out of time; pop the ones that fit."""
+        if not self.waiting:
+            return []
+        now = time.monotonic()
+        keep: collections.deque[Sequence] = collections.deque()
+        for seq in self.waiting:
+            if seq.handle.cancelled:
+                self.output.finish(seq, FinishReason.CANCELLED)
+            elif seq.req.deadline is not None and now >= seq.req.deadline:
+                self.output.finish(seq, FinishReason.TIME_LIMIT)
+            else:
+                keep.append(seq)
+        self.waiting = keep
+        admit = []
+        while self.waiting and len(self.active) + len(admit) < self.max_batch:
+            admit.append(self.waiting.popleft())
+        return admit
+
+    # --- prefill -------------------------------------------------------------------------------
+    def reserve(self, admitted: list[Sequence]) -> None:
+        """Room for every admitted request's prompt and new tokens (a growing cache grows now,
+        once, instead of copying its buffers in the middle of decoding)."""
+        self.kv.reserve(max(s.rows(self.max_seq_len) for s in (*self.active, *admitted)))
+
+    def prefill_tokens(self) -> int:
+        """Tokens per generation prefill call. ``chunk_tokens`` (the logits cap) where the
+        runner computes every row's logits; where it computes the last row's only, up to
+        ``prefill_chunk_tokens`` as long as the call's attention scores stay under the same
+        cap: onnxruntime's CPU GroupQueryAttention holds chunk x heads x cache-rows floats."""
+        by_scores = self.score_chunk_floats // (self.n_heads * max(1, self.kv.capacity))
+        return max(self.chunk_tokens, min(self.prefill_chunk_tokens, by_scores))
+
+    def prefill_groups(self, plain: list[Sequence]) -> list[list[Sequence]]:
+        """Batched prefill groups, shortest first, so that B x T stays under the chunk."""
+        chunk = self.prefill_tokens()
+        plain = sorted(plain, key=lambda s: min(len(s.req.prompt_ids), chunk))
+        groups: list[list[Sequence]] = []
+        group: list[Sequence] = []
+        for seq in plain:
+            t = min(len(seq.req.prompt_ids), chunk)
+            if group and (len(group) + 1) * t > chunk:
+                groups.append(group)
+                group = []
+            group.append(seq)
+        if group:
+            groups.append(group)
+        return groups
+
+    # --- leaving -------------------------------------------------------------------------------
+    def retire_dead(self) -> None:
+        """End the active sequences that were cancelled or ran out of time; free their slots."""
+        now = time.monotonic()
+        dead = False
+        for seq in self.active:
+            if seq.done:
+                dead = True
+            elif seq.handle.cancelled:
+                self.output.finish(seq, FinishReason.CANCELLED)
+                dead = True
+            elif seq.req.deadline is not None and now >= seq.req.deadline:
+                self.output.finish(seq, FinishReason.TIME_LIMIT)
+                dead = True
+        if dead:
+            self.retire_done()
+
+    def retire_done(self) -> None:
+        gone = [i for i, s in enumerate(self.active) if s.done]
+        for i in reversed(gone):  # highest first: the last slot is never one still to remove
+            last = len(self.active) - 1
+            if i != last:
+                self.kv.move(last, i)
+                self.active[i] = self.active[last]
+            self.active.pop()
+        if gone:  # give back the memory long sequences left (their slots are free now)
+            self.kv.shrink_to_fit(len(self.active),
+                                  max((s.rows(self.max_seq_len) for s in self.active),
+                                      default=0))
