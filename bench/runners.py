@@ -152,7 +152,7 @@ class LoopRunner(Runner):
 
 
 class RecordingMetrics:
-    """The engine's metrics hooks (server.engine.NullMetrics), recording what the engine itself
+    """The engine's metrics hooks (server.interfaces.EngineMetrics), recording what the engine itself
     measures: the gap between a sequence's tokens (inter-token latency as the engine sees it,
     free of the consumer thread's wake-up) and the time inside the runner's ``decode`` per
     step."""

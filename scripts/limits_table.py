@@ -66,7 +66,8 @@ def limit_rows() -> list[tuple[str, str, str, str]]:
 
 def fixed_rows() -> list[tuple[str, str, str, str]]:
     from kvserve.server.servicer import MAX_TOKENIZE_TEXTS
-    from kvserve.server.validation import GREEDY_BELOW_TEMPERATURE, MAX_REQUEST_ID_CHARS
+    from kvserve.model.sampling import GREEDY_BELOW_TEMPERATURE
+    from kvserve.server.validation import MAX_REQUEST_ID_CHARS
 
     return [
         ("texts per Tokenize call, sequences per Detokenize call", "(fixed)",

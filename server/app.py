@@ -32,7 +32,8 @@ from .engine import Engine
 from .interfaces import NullMetrics
 from .metrics import Metrics, MetricsServer
 from .prompts import Prompts
-from .servicer import InferenceServicer, ServingState, model_info
+from .servicer import InferenceServicer, model_info
+from .state import ServingState
 from .validation import Limits
 
 if TYPE_CHECKING:

@@ -12,7 +12,12 @@ from kvserve.model.sampling import SamplingParams
 
 # --- errors (the servicer maps each to one status code) ------------------------------------------
 class ServingError(Exception):
-    """Base of the errors a caller may see; the message says what the caller did wrong."""
+    """Base of the errors a caller may see; the message says what the caller did wrong.
+    ``field``: the request field it is about, where one is (HTTP reports it as ``param``)."""
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class InvalidArgument(ServingError):

@@ -68,11 +68,11 @@ class Engine:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.eos_id = eos_id
         # every id that ends a sequence (Llama 3's generation config lists three)
-        self.eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
+        self._eos_ids = frozenset([*eos_ids, *([] if eos_id is None else [eos_id])])
         self.request_time_limit = request_time_limit
         self.stream_interval = stream_interval
         self._metrics = metrics or NullMetrics()
-        self.output = OutputProcessor(self.eos_ids, self._metrics, stream_interval,
+        self.output = OutputProcessor(self._eos_ids, self._metrics, stream_interval,
                                       stream_interval_max)
         self.sched = Scheduler(
             lm.new_cache(max_batch), max_batch=max_batch, max_queue=max_queue,
@@ -93,6 +93,14 @@ class Engine:
         # tools (profilers, tracers): called as hook(run) around each loop iteration, where
         # run() is the iteration itself; set before start() or between requests
         self.iteration_hook: Callable[[Callable[[], None]], None] | None = None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: frozenset[int]) -> None:
+        self._eos_ids = self.output.eos_ids = frozenset(ids)
 
     @property
     def metrics(self) -> EngineMetrics:

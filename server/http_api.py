@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .domain import FinishEvent, FinishReason, ServingError, TokenEvent
+from .domain import FinishEvent, FinishReason, ServingError, TokenEvent, Unavailable
 from .openai_requests import ApiError, Parsed, from_serving_error, parse_chat, \
     parse_completion, parse_json
 
@@ -126,12 +126,10 @@ class OpenAIApi:
             self.metrics.requests.inc(rpc="http " + request.path, outcome=outcome)
 
     def _gate(self) -> None:
-        if self.state.draining:
-            raise ApiError(503, "the server is shutting down; retry on another replica",
-                           "service_unavailable", code="service_unavailable")
-        if not self.state.ready:
-            raise ApiError(503, "the model is still loading; retry shortly",
-                           "service_unavailable", code="service_unavailable")
+        try:
+            self.state.gate()
+        except Unavailable as e:
+            raise from_serving_error(e) from None
 
     # --- simple endpoints --------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

@@ -8,14 +8,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import request_map as RM
 from . import validation as V
 from .domain import (FailedPrecondition, GenerateRequest, InvalidArgument, OutputParams,
                      ServingError, Unimplemented)
 from .prompts import Prompts
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-           "stop", "presence_penalty", "frequency_penalty", "seed", "user", "logit_bias",
-           "top_k", "min_p", "repetition_penalty", "ignore_eos"}
+# the sampling fields come from the one request mapping (request_map.SAMPLING_FIELDS)
+_COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user",
+           "logit_bias", "ignore_eos"} | RM.FIELD_NAMES
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                          "response_format", "tools", "tool_choice", "parallel_tool_calls"}
@@ -157,19 +158,20 @@ def _common(body: dict, allowed: set[str], model: str, lim: V.Limits) -> dict:
         stream=_bool(body, "stream", False),
         include_usage=_bool(so or {}, "include_usage", False),
         n=_int(body, "n", 1, 1, c.max_n),
-        temperature=_num(body, "temperature", 1.0, 0.0, c.max_temperature),
-        top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        presence_penalty=_num(body, "presence_penalty", 0.0, -c.max_abs_penalty,
-                              c.max_abs_penalty),
-        frequency_penalty=_num(body, "frequency_penalty", 0.0, -c.max_abs_penalty,
-                               c.max_abs_penalty),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0, 1.0 / c.max_repetition_penalty,
-                                c.max_repetition_penalty),
-        top_k=_int(body, "top_k", 0, 0, lim.vocab_size),
-        min_p=_num(body, "min_p", 0.0, 0.0, 1.0),
-        seed=_int(body, "seed", None, -(1 << 63), (1 << 64) - 1),
+        sampling=_sampling_values(body),
         ignore_eos=_bool(body, "ignore_eos", False),
         stop=_stop(body, lim))
+
+
+def _sampling_values(body: dict) -> dict:
+    try:
+        values = RM.from_json(body)
+    except InvalidArgument as e:
+        raise bad(str(e), e.field) from None
+    seed = values["seed"]  # OpenAI clients send negative seeds too: they wrap (mod 2^64)
+    if seed is not None and not -(1 << 63) <= seed <= (1 << 64) - 1:
+        raise bad(f"'seed' is {seed}; it must be in [-2^63, 2^64)", "seed")
+    return values
 
 
 def _requests(prompts: list[list[int]], opts: dict, max_tokens: int | None, logprobs: bool,
@@ -181,22 +183,17 @@ def _requests(prompts: list[list[int]], opts: dict, max_tokens: int | None, logp
     out = []
     for p, ids in enumerate(prompts):
         for j in range(n):
-            seed = opts["seed"]
-            if seed is not None:  # distinct, reproducible choices; negative seeds wrap
-                seed = (seed + p * n + j) % (1 << 64)
+            values = dict(opts["sampling"])
+            if values["seed"] is not None:  # distinct, reproducible choices
+                values["seed"] = (values["seed"] + p * n + j) % (1 << 64)
             try:
-                sampling = V.sampling_params(
-                    temperature=opts["temperature"], top_k=opts["top_k"], top_p=opts["top_p"],
-                    min_p=opts["min_p"], repetition_penalty=opts["repetition_penalty"],
-                    presence_penalty=opts["presence_penalty"],
-                    frequency_penalty=opts["frequency_penalty"], seed=seed, lim=lim)
+                sampling = RM.sampling_params(values, lim, prefix="", quote="'")
                 stopping = V.stop_params(prompt_len=len(ids), max_new_tokens=max_tokens or 0,
                                          min_new_tokens=0, stop=opts["stop"], stop_token_ids=(),
                                          ignore_eos=opts["ignore_eos"], lim=lim)
             except InvalidArgument as e:
-                msg = str(e).replace("stopping.max_new_tokens", "max_tokens") \
-                    .replace("sampling.", "")
-                raise bad(msg) from None
+                raise bad(str(e).replace("stopping.max_new_tokens", "max_tokens"),
+                          e.field) from None
             output = OutputParams(logprobs=logprobs, top_logprobs=top_logprobs)
             out.append(GenerateRequest(ids, sampling, stopping, output,
                                        request_id=rid if len(prompts) * n == 1

@@ -3,24 +3,23 @@ validation lives in ``validation``, the work in ``engine``.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
-import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
 
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
+from . import request_map as RM
 from . import validation as V
 from .domain import (FailedPrecondition, FinishEvent, FinishReason, GenerateRequest,
                      InvalidArgument, QueueFull, ServingError, TokenEvent, Unavailable,
                      Unimplemented)
 from .prompts import Prompts
+from .state import ServingState
 
 log = logging.getLogger(__name__)
 
@@ -47,27 +46,6 @@ _STATUS = {
 }
 
 
-@dataclass
-class ServingState:
-    """Set by the app: ``ready`` after warm-up, ``draining`` after SIGTERM. ``inflight``
-    counts the model calls (Generate, Score) in progress, so a drain knows when it is done."""
-    ready: bool = False
-    draining: bool = False
-    info: dict = field(default_factory=dict)
-    inflight: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @contextlib.contextmanager
-    def call(self):
-        with self._lock:
-            self.inflight += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.inflight -= 1
-
-
 def _abort(context: grpc.ServicerContext, e: ServingError):
     context.abort(_STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
 
@@ -81,10 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # --- helpers -------------------------------------------------------------------------------
     def _gate(self) -> None:
-        if self.state.draining:
-            raise Unavailable("the server is shutting down; retry on another replica")
-        if not self.state.ready:
-            raise Unavailable("the model is still loading; retry shortly")
+        self.state.gate()
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tok is None:
@@ -121,12 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         s, st, o = r.sampling, r.stopping, r.response
         if st.stop:
             self._need_tokenizer("a stop string (use stop_token_ids)")
-        sampling = V.sampling_params(
-            temperature=s.temperature, top_k=s.top_k,
-            top_p=s.top_p if s.HasField("top_p") else 1.0, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            seed=s.seed if s.HasField("seed") else None, lim=self.lim)
+        sampling = RM.sampling_params(RM.from_grpc(s), self.lim)
         stopping = V.stop_params(prompt_len=len(ids), max_new_tokens=st.max_new_tokens,
                                  min_new_tokens=st.min_new_tokens, stop=list(st.stop),
                                  stop_token_ids=list(st.stop_token_ids),

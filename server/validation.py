@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.model.sampling import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 from .config import ServerConfig
 from .domain import InvalidArgument, OutputParams, ScoreRequest, StopParams, Unimplemented
@@ -110,40 +109,6 @@ def check_texts(texts: Sequence[str], limit: int, lim: Limits, name=lambda i: f"
         total += len(t)
     _need(total <= limit, f"{what}{total} characters in all; the limit is {limit}")
     return list(texts)
-
-
-def sampling_params(*, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    min_p: float = 0.0, repetition_penalty: float = 1.0,
-                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    seed: int | None = None, lim: Limits) -> SamplingParams:
-    c = lim.cfg
-    t = _finite("sampling.temperature", temperature, f"[0, {c.max_temperature}]")
-    _need(0.0 <= t <= c.max_temperature,
-          f"sampling.temperature must be in [0, {c.max_temperature}] (0 = greedy)")
-    if t < GREEDY_BELOW_TEMPERATURE:  # greedy (SamplingParams.greedy): report it as 0
-        t = 0.0
-    _need(0 <= top_k <= lim.vocab_size,
-          f"sampling.top_k must be in [0, {lim.vocab_size}] (0 = off)")
-    p = _finite("sampling.top_p", top_p, "(0, 1]")
-    _need(0.0 < p <= 1.0, "sampling.top_p must be in (0, 1]")
-    mp = _finite("sampling.min_p", min_p, "[0, 1]")
-    _need(0.0 <= mp <= 1.0, "sampling.min_p must be in [0, 1]")
-    # [1/limit, limit]: a penalty near 0 divides logits into inf (the same NaN garbage)
-    rp_lo = 1.0 / c.max_repetition_penalty
-    rp_range = f"[{rp_lo:g}, {c.max_repetition_penalty}]"
-    rp = _finite("sampling.repetition_penalty", repetition_penalty, rp_range)
-    _need(rp_lo * (1 - 1e-6) <= rp <= c.max_repetition_penalty,  # float32 rounding of 1/limit
-          f"sampling.repetition_penalty must be in {rp_range} (1 = off)")
-    for name, v in (("presence_penalty", presence_penalty),
-                    ("frequency_penalty", frequency_penalty)):
-        v = _finite(f"sampling.{name}", v, f"[-{c.max_abs_penalty}, {c.max_abs_penalty}]")
-        _need(abs(v) <= c.max_abs_penalty,
-              f"sampling.{name} must be in [-{c.max_abs_penalty}, {c.max_abs_penalty}]")
-    if seed is not None:
-        _need(0 <= seed <= MAX_SEED, "sampling.seed must be in [0, 2^64)")
-    return SamplingParams(temperature=t, top_k=int(top_k), top_p=p, min_p=mp,
-                          repetition_penalty=rp, presence_penalty=float(presence_penalty),
-                          frequency_penalty=float(frequency_penalty), seed=seed)
 
 
 def stop_params(*, prompt_len: int, max_new_tokens: int, min_new_tokens: int,

@@ -162,7 +162,7 @@ def test_health_is_503_until_warmed_up():
     """The HTTP server starts before the warm-up (App.start); until the state says ready,
     /health and the API answer 503."""
     from kvserve.server.http_api import HttpServer, OpenAIApi
-    from kvserve.server.servicer import ServingState
+    from kvserve.server.state import ServingState
 
     state = ServingState()
     srv = HttpServer(OpenAIApi(None, None, None, state, None, "m", 0), "127.0.0.1", 0, 1 << 20)
