@@ -1,13 +1,15 @@
-"""Render the README's "Limits and errors" section from the code, so that it cannot drift.
+"""Render the "Limits and errors" section of docs/serving.md from the code, so that it cannot
+drift.
 
     python scripts/limits_table.py            # print the section
-    python scripts/limits_table.py --write    # replace it in README.md (between the markers)
-    python scripts/limits_table.py --check    # exit 1 if README.md differs
+    python scripts/limits_table.py --write    # replace it in docs/serving.md (between the markers)
+    python scripts/limits_table.py --check    # exit 1 if docs/serving.md differs
 
 One row per ``ServerConfig`` field that carries ``limit`` metadata (what happens when it is
 exceeded), in field order: its flag, env var and default come from the dataclass, as
 ``kvserve serve --help`` shows them. Then the fixed bounds that are constants in the code, and
-the status codes. tests/hardening/test_limits_table.py checks that README.md holds exactly this.
+the status codes. tests/hardening/test_limits_table.py checks that docs/serving.md holds exactly
+this.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "serving.md"
 START, END = "<!-- limits:start -->", "<!-- limits:end -->"
 
 STATUS_CODES = [
@@ -102,17 +105,17 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def section(readme_text: str) -> str | None:
+def section(text: str) -> str | None:
     """The text between the markers (None when they are missing)."""
-    if START not in readme_text or END not in readme_text:
+    if START not in text or END not in text:
         return None
-    return readme_text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
+    return text.split(START, 1)[1].split(END, 1)[0].strip("\n") + "\n"
 
 
-def write(readme: Path) -> bool:
+def write(doc: Path) -> bool:
     """Put the rendered section between the markers (appended at the end with the markers
     when they are missing). Returns whether the file changed."""
-    text = readme.read_text()
+    text = doc.read_text()
     body = render()
     if START in text and END in text:
         head, rest = text.split(START, 1)
@@ -121,19 +124,19 @@ def write(readme: Path) -> bool:
     else:
         new = text.rstrip("\n") + f"\n\n{START}\n{body}{END}\n"
     if new != text:
-        readme.write_text(new)
+        doc.write_text(new)
     return new != text
 
 
 def main(argv: list[str]) -> int:
-    readme = ROOT / "README.md"
+    name = DOC.relative_to(ROOT)
     if "--write" in argv:
-        print("README.md updated" if write(readme) else "README.md already up to date")
+        print(f"{name} updated" if write(DOC) else f"{name} already up to date")
         return 0
     if "--check" in argv:
-        ok = section(readme.read_text()) == render()
+        ok = section(DOC.read_text()) == render()
         if not ok:
-            print("README.md's limits section is stale: run python scripts/limits_table.py "
+            print(f"{name}'s limits section is stale: run python scripts/limits_table.py "
                   "--write", file=sys.stderr)
         return 0 if ok else 1
     sys.stdout.write(render())

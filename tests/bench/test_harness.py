@@ -355,3 +355,17 @@ def test_grid_writes_each_reason_once():
             assert text.count(n) == 1, n  # written once, however many cells it explains
     assert "- engine ≥ 1.0× onnxruntime-genai, batch 1, 128 new tokens: 0.80×, missed by 20%; " \
            "800 vs 1,000 tok/s; raw loop 1.00×" in text
+
+
+def test_committed_block_is_the_rendering_of_the_committed_results():
+    """docs/benchmarks.md's generated block and bench/results/tables.md are what
+    `kvserve bench --render-only --update-committed` makes of bench/results/*.json."""
+    from kvserve.bench.common import BENCH_DOC, RESULTS
+
+    section = report.render(report.load_results(RESULTS))
+    text = BENCH_DOC.read_text()
+    assert text.count(report.START) == 1 and text.count(report.END) == 1
+    block = text.split(report.START, 1)[1].split(report.END, 1)[0]
+    assert block.strip() == section.strip(), \
+        "docs/benchmarks.md is stale: run kvserve bench --render-only --update-committed"
+    assert (RESULTS / "tables.md").read_text().strip() == section.strip()
