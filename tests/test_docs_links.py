@@ -67,3 +67,15 @@ def test_readme_is_a_front_door():
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         long = [x for x in text.splitlines() if len(x) > 300 and not x.startswith("|")]
         assert not long, (page.name, long[0][:80])
+
+
+def test_readme_install_table_names_the_base_dependencies():
+    """The README's `pip install .` row lists what pyproject.toml's base install pulls in."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    row = next(x for x in (ROOT / "README.md").read_text().splitlines()
+               if x.startswith("| `pip install .` |"))
+    for dep in deps:
+        name = re.match(r"[A-Za-z0-9_.\-]+", dep).group(0)
+        assert re.search(rf"\b{re.escape(name)}\b", row), f"README's install row lacks {name}"
