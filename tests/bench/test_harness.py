@@ -211,7 +211,8 @@ def test_score_roofline_and_step_floor_explain_the_targets():
 
 
 def test_results_go_to_a_fresh_directory_unless_asked(tmp_path):
-    """`kvserve bench` never overwrites the committed bench/results or README by default."""
+    """`kvserve bench` never overwrites the committed bench/results or docs/benchmarks.md by
+    default."""
     import argparse
 
     from kvserve.bench.main import RESULTS, add_arguments, choose_results_dir
