@@ -8,7 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"  # committed results: written only when asked for
-README = REPO / "README.md"
+# the generated block of this page holds the committed tables
+BENCH_DOC = REPO / "docs" / "benchmarks.md"
 CACHE = REPO / ".bench"  # built models and scratch results (git-ignored)
 
 

@@ -1,13 +1,14 @@
 """``kvserve bench``: build (or reuse) the benchmark models, load every runner in its own process
 and let them take turns cell by cell (``bench/turns.py``), write ``<size>.json`` and
-``README-table.md`` into a results directory, and print the tables.
+``tables.md`` into a results directory, and print the tables.
 
   kvserve bench                     full run (6M, 100M, small) into a new
                                     .bench/results/<UTC time>/ (nothing committed is touched)
   kvserve bench --quick             6M only, fewer tokens: .bench/results/<UTC time>-quick/
   kvserve bench --results DIR       into DIR
-  kvserve bench --update-committed  into bench/results/, and the README section between
-                                    ``<!-- bench:start -->`` and ``<!-- bench:end -->``
+  kvserve bench --update-committed  into bench/results/, and the generated block of
+                                    docs/benchmarks.md (between ``<!-- bench:start -->`` and
+                                    ``<!-- bench:end -->``)
   kvserve bench --render-only [--update-committed]   tables from existing results
   kvserve bench --profile           profile the decode loop -> profile.md in the results dir
   kvserve bench --provider cuda     the CUDA check (bench/cuda_check.py) -> cuda.json
@@ -23,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import CACHE, README, RESULTS, loadavg, machine, versions
+from .common import BENCH_DOC, CACHE, RESULTS, loadavg, machine, versions
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset: engine,loop,engine_int8,genai,torch,hf,"
                              "grpc")
     parser.add_argument("--results", default=None, metavar="DIR",
-                        help="where the results JSON and README-table.md go (default: a new "
+                        help="where the results JSON and tables.md go (default: a new "
                              "directory .bench/results/<UTC time>[-quick] under --cache); with "
                              "--render-only: the results to render (default bench/results)")
     parser.add_argument("--update-committed", action="store_true",
-                        help="write the committed results (bench/results) and the README "
-                             "section between the bench markers; without it neither is "
+                        help="write the committed results (bench/results) and the "
+                             "generated block of docs/benchmarks.md; without it neither is "
                              "touched")
     parser.add_argument("--cache", default=str(CACHE),
                         help="where built models live (reused by later runs)")
@@ -65,10 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "speed drifts within minutes)")
     parser.add_argument("--render-only", action="store_true",
                         help="no measurement: print the tables of existing results (with "
-                             "--update-committed: rebuild bench/results/README-table.md and "
-                             "the README section from bench/results/*.json)")
-    parser.add_argument("--no-readme", action="store_true",
-                        help="with --update-committed: results only, README.md untouched")
+                             "--update-committed: rebuild bench/results/tables.md and "
+                             "docs/benchmarks.md's block from bench/results/*.json)")
+    parser.add_argument("--no-docs", "--no-readme", dest="no_docs", action="store_true",
+                        help="with --update-committed: results only, docs/benchmarks.md "
+                             "untouched")
     parser.add_argument("--wait-load", type=float, default=0.0, metavar="CORES",
                         help="before each size's runners, wait (at most --wait-max seconds) until "
                              "other processes use less than CORES cores (0 = do not wait); "
@@ -276,30 +278,30 @@ def choose_results_dir(args: argparse.Namespace) -> Path:
     return Path(args.cache) / "results" / (stamp + ("-quick" if args.quick else ""))
 
 
-def render_all(results_dir: Path, readme: Path | None, write_table: bool = True) -> str:
-    from .report import load_results, render, update_readme
+def render_all(results_dir: Path, doc: Path | None, write_table: bool = True) -> str:
+    from .report import load_results, render, update_doc
 
     results = load_results(results_dir)
     if not results:
         raise SystemExit(f"kvserve bench: no results in {results_dir}")
     section = render(results)
     if write_table:
-        (results_dir / "README-table.md").write_text(section + "\n")
-    if readme is not None:
-        update_readme(readme, section)
+        (results_dir / "tables.md").write_text(section + "\n")
+    if doc is not None:
+        update_doc(doc, section)
     return section
 
 
 def main(args: argparse.Namespace) -> int:
     out = choose_results_dir(args)
     committed = out.resolve() == RESULTS.resolve()
-    readme = README if args.update_committed and not args.no_readme else None
+    doc = BENCH_DOC if args.update_committed and not args.no_docs else None
     if args.render_only:  # committed files are rewritten only when asked
-        print(render_all(out, readme, write_table=args.update_committed or not committed))
+        print(render_all(out, doc, write_table=args.update_committed or not committed))
         return 0
     log.info("results go to %s%s", out, "" if committed else
-             " (the committed bench/results and README are untouched; --update-committed "
-             "writes them)")
+             " (the committed bench/results and docs/benchmarks.md are untouched; "
+             "--update-committed writes them)")
     args.results = str(out)
     if args.profile:
         from .profile import main as profile_main
@@ -319,8 +321,8 @@ def main(args: argparse.Namespace) -> int:
                     loadavg())
     for name in sizes:
         run_size(name, args, out)
-    print(render_all(out, readme))
-    print(f"results: {out}" + ("" if readme else "; README.md untouched"))
+    print(render_all(out, doc))
+    print(f"results: {out}" + ("" if doc else "; docs/benchmarks.md untouched"))
     log.info("bench done in %.0fs; load average after: %.2f", time.perf_counter() - t0,
              loadavg())
     return 0

@@ -1,5 +1,5 @@
-"""The bench harness's logic on tiny inputs (no timing, no models): targets, tables, README
-markers, the plan, and the roofline's byte count."""
+"""The bench harness's logic on tiny inputs (no timing, no models): targets and their grid,
+tables, the generated block of docs/benchmarks.md, the plan, and the roofline's byte count."""
 from __future__ import annotations
 
 import json
@@ -80,7 +80,7 @@ def test_missed_target_says_by_how_much_and_why():
     res = {"bench-6m": _size(800, 1000, loop=1000)}
     t = report.targets(res)[0]
     assert t["status"] == "missed by 20%"
-    assert "raw runner loop reaches 1.00×" in t["why"]
+    assert "engine-side cost" in t["why"] and "raw loop 1.00×" in t["detail"]
     assert "decode graph slower" in t["why"]  # loop step 0.5 ms vs genai 0.3 ms
     assert "~190 nodes" in t["why"]  # results without a runtime kind: the portable graphs
 
@@ -89,7 +89,7 @@ def test_fused_results_do_not_blame_the_portable_graph():
     size = _size(800, 1000, loop=1000)
     size["runners"]["loop"]["runtime"] = "fused"
     t = report.targets({"bench-6m": size})[0]
-    assert "raw runner loop reaches 1.00×" in t["why"] and "runner step slower" in t["why"]
+    assert "engine-side cost" in t["why"] and "raw runner's decode step is slower" in t["why"]
     assert "decode graph slower" not in t["why"]  # the same fused graph as genai's
     assert "capacity" not in t["why"] and "~190 nodes" not in t["why"]
     assert "decode_cost.py --profile" in t["why"]
@@ -117,26 +117,29 @@ def test_int8_target_reads_perplexity():
     assert "3.64×" in t["why"]
 
 
-def test_render_and_readme_markers(tmp_path):
+def test_render_and_doc_markers(tmp_path):
     res_dir = tmp_path / "results"
     res_dir.mkdir()
     (res_dir / "bench-6m.json").write_text(json.dumps(
         {**_size(1300, 1000, grpc=(900, 5000)), "size": "bench-6m"}))
     (res_dir / "profile.json").write_text("{}")  # not a results file: ignored
-    readme = tmp_path / "README.md"
-    readme.write_text("# title\n\nintro\n")
-    text = render_all(res_dir, readme)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# title\n\nintro\n")
+    text = render_all(res_dir, doc)
     assert "| kvserve engine (in-process, server/engine.py) | 1,300 |" in text
-    assert (res_dir / "README-table.md").read_text().strip() == text.strip()
-    body = readme.read_text()
+    assert (res_dir / "tables.md").read_text().strip() == text.strip()
+    body = doc.read_text()
     assert body.startswith("# title\n\nintro\n")
     assert body.count(report.START) == 1 and body.count(report.END) == 1
     # a second render replaces only what is between the markers
-    readme.write_text(body + "\ntrailer\n")
-    render_all(res_dir, readme)
-    again = readme.read_text()
+    doc.write_text(body + "\ntrailer\n")
+    render_all(res_dir, doc)
+    again = doc.read_text()
     assert again.count(report.START) == 1 and again.endswith("\ntrailer\n")
     assert "greedy outputs agree: bench-6m yes" in again
+    # prose is wrapped; only table rows may be long
+    assert all(len(line) <= report.WIDTH for line in again.splitlines()
+               if not line.startswith("|")), max(again.splitlines(), key=len)
 
 
 def test_plan_shapes():
@@ -208,7 +211,8 @@ def test_score_roofline_and_step_floor_explain_the_targets():
 
 
 def test_results_go_to_a_fresh_directory_unless_asked(tmp_path):
-    """`kvserve bench` never overwrites the committed bench/results or README by default."""
+    """`kvserve bench` never overwrites the committed bench/results or docs/benchmarks.md by
+    default."""
     import argparse
 
     from kvserve.bench.main import RESULTS, add_arguments, choose_results_dir
@@ -309,3 +313,60 @@ def test_ratios_pair_the_turns_of_the_same_round():
 
     assert per_round(size, "engine", "genai", "1x128") == "; per round 1.00/1.20/0.85"
     assert per_round(size, "old", "genai", "1x128") == ""
+
+
+def test_a_miss_never_reads_as_its_goal():
+    """0.9996 against 1.0 is missed: shown with the digits that say so, never '1.00x, missed by
+    0%'; the same for an at-most target just over its limit."""
+    from kvserve.bench.targets import shown_ratio
+
+    size = _size(999.6, 1000)
+    size["runners"]["loop"]["step_ms"] = {"16": 1.0, "1000": 1.1504}
+    ts = {t["target"]: t for t in report.targets({"bench-100m": size})}
+    t = ts["bench-100m: engine ≥ 1.0× onnxruntime-genai, batch 1, 128 new tokens"]
+    assert t["met"] is False and t["status"] == "missed by 0.04%"
+    assert shown_ratio(t) == "0.9996×"
+    s = ts["bench-100m: decode step at position 1000 ≤ 1.15× position 16, batch 1"]
+    assert s["met"] is False and shown_ratio(s) == "1.1504×" and s["status"] == "missed by 0.03%"
+    ok = ts["bench-100m: engine overhead ≤ 10% over the raw loop (engine ≥ 0.9× loop, batch 1, "
+            "128 new tokens)"]
+    assert ok["met"] and shown_ratio(ok) == "1.00×"
+
+
+def test_grid_writes_each_reason_once():
+    """Targets x sizes, ratio and a mark per cell; a reason shared by several missed cells is
+    one footnote, referenced from each."""
+    from kvserve.bench.targets import grid
+
+    six = _size(800, 1000, loop=1000)
+    hundred = _size(900, 1000, loop=1000)
+    ts = report.targets({"bench-6m": six, "bench-100m": hundred})
+    lines = grid(ts)
+    text = "\n".join(lines)
+    assert lines[0] == "| target | bench-6m | bench-100m |"
+    row = next(x for x in lines if x.startswith("| engine ≥ 1.0× onnxruntime-genai, batch 1, 128"))
+    assert row == "| engine ≥ 1.0× onnxruntime-genai, batch 1, 128 new tokens | 0.80× ✗ ¹˒² | " \
+                  "0.90× ✗ ¹˒² |"
+    stretch = next(x for x in lines if x.startswith("| stretch engine ≥ 1.2×"))
+    assert stretch.endswith(" | – |")  # a bench-6m target only
+    notes = [x for x in lines if x[:1].isdigit()]
+    assert len(notes) == len(set(notes))
+    for t in ts:
+        for n in t["notes"]:
+            assert text.count(n) == 1, n  # written once, however many cells it explains
+    assert "- engine ≥ 1.0× onnxruntime-genai, batch 1, 128 new tokens: 0.80×, missed by 20%; " \
+           "800 vs 1,000 tok/s; raw loop 1.00×" in text
+
+
+def test_committed_block_is_the_rendering_of_the_committed_results():
+    """docs/benchmarks.md's generated block and bench/results/tables.md are what
+    `kvserve bench --render-only --update-committed` makes of bench/results/*.json."""
+    from kvserve.bench.common import BENCH_DOC, RESULTS
+
+    section = report.render(report.load_results(RESULTS))
+    text = BENCH_DOC.read_text()
+    assert text.count(report.START) == 1 and text.count(report.END) == 1
+    block = text.split(report.START, 1)[1].split(report.END, 1)[0]
+    assert block.strip() == section.strip(), \
+        "docs/benchmarks.md is stale: run kvserve bench --render-only --update-committed"
+    assert (RESULTS / "tables.md").read_text().strip() == section.strip()

@@ -1,4 +1,4 @@
-"""README.md's "Limits and errors" section is exactly what scripts/limits_table.py renders
+"""docs/serving.md's "Limits and errors" section is exactly what scripts/limits_table.py renders
 from ServerConfig (so it cannot drift), and every limit field says what happens when it is
 exceeded."""
 from __future__ import annotations
@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = runpy.run_path(str(ROOT / "scripts" / "limits_table.py"))
 
 
-def test_readme_section_is_the_rendered_table():
-    text = (ROOT / "README.md").read_text()
+def test_doc_section_is_the_rendered_table():
+    assert SCRIPT["DOC"] == ROOT / "docs" / "serving.md"
+    text = SCRIPT["DOC"].read_text()
     assert text.count(SCRIPT["START"]) == 1 and text.count(SCRIPT["END"]) == 1
     assert SCRIPT["section"](text) == SCRIPT["render"](), \
-        "README.md is stale: run python scripts/limits_table.py --write"
+        "docs/serving.md is stale: run python scripts/limits_table.py --write"
     assert SCRIPT["main"](["--check"]) == 0
 
 
@@ -49,10 +50,10 @@ def test_status_table_names_real_codes():
 
 
 def test_write_appends_markers_when_missing(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n\nintro\n")
-    assert SCRIPT["write"](readme)
-    text = readme.read_text()
+    doc = tmp_path / "serving.md"
+    doc.write_text("# x\n\nintro\n")
+    assert SCRIPT["write"](doc)
+    text = doc.read_text()
     assert text.startswith("# x\n\nintro\n")
     assert SCRIPT["section"](text) == SCRIPT["render"]()
-    assert not SCRIPT["write"](readme)  # idempotent
+    assert not SCRIPT["write"](doc)  # idempotent

@@ -1,4 +1,4 @@
-"""The README's curl examples, run as written (only `localhost:8000` becomes the test server's
+"""docs/http-api.md's curl examples, run as written (only `localhost:8000` becomes the test server's
 address, and curl gets --fail-with-body so that an HTTP error fails the run) against a real
 server whose model has a chat template and is served as `default`."""
 from __future__ import annotations
@@ -13,17 +13,17 @@ import pytest
 
 from kvserve_testing import running_app
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 
 
 def examples() -> str:
-    text = README.read_text()
+    text = DOC.read_text()
     block = text.split("<!-- http-examples:start -->", 1)[1].split("<!-- http-examples:end -->")[0]
     return block.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_readme_curl_examples_work_as_written(chat_artifact):
+def test_http_doc_curl_examples_work_as_written(chat_artifact):
     script = examples()
     lines = script.splitlines()
     assert lines[0].startswith("kvserve serve ") and "--http-port 8000" in lines[0]
@@ -56,4 +56,4 @@ def test_readme_curl_examples_work_as_written(chat_artifact):
     completion = objs[len(sse) + 2][1]
     assert completion["object"] == "text_completion" and completion["choices"][0]["logprobs"]
     assert objs[-1][1] == {"status": "ok", "model": "default"}
-    assert re.search(r'"model": "default"', README.read_text())
+    assert re.search(r'"model": "default"', DOC.read_text())

@@ -1,0 +1,92 @@
+"""Reading one size's results JSON: figures by runner and cell, paired ratios over rounds, the
+rooflines, and number formatting. Shared by ``bench/report.py`` (tables) and
+``bench/targets.py`` (targets); imports neither."""
+from __future__ import annotations
+
+import math
+
+from .roofline import score_flops_per_token
+
+DECODE_COLS = ["1x128", "1x512", "8x128", "8x512", "16x128", "16x512"]
+
+
+def get(d: dict, *path, default=None):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def ratio(a, b):
+    return a / b if a and b else None
+
+
+def fmt(x, digits: int = 0, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if digits == 0:
+        return f"{x:,.0f}{unit}"
+    return f"{x:,.{digits}f}{unit}"
+
+
+def tok_s(size: dict, runner: str, cell: str) -> float | None:
+    return get(size, "runners", runner, "decode", cell, "tok_s")
+
+
+def paired(size: dict, a: str, b: str, cell: str, cell_b: str | None = None
+           ) -> float | None:
+    """Runner ``a`` against runner ``b`` at a decode cell: the median over rounds of the ratio
+    of their turns in the same round (measured seconds apart, so the machine's drift cancels),
+    or the ratio of their best figures where the results have no turns."""
+    pairs = sorted(_pairs(size, a, b, cell, cell_b))
+    if not pairs:
+        return ratio(tok_s(size, a, cell), tok_s(size, b, cell_b or cell))
+    mid = len(pairs) // 2
+    return pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
+
+
+def _pairs(size: dict, a: str, b: str, cell: str, cell_b: str | None = None) -> list[float]:
+    ta = get(size, "runners", a, "decode", cell, "turns_tok_s") or []
+    tb = get(size, "runners", b, "decode", cell_b or cell, "turns_tok_s") or []
+    return [x / y for x, y in zip(ta, tb) if x and y]
+
+
+def per_round(size: dict, a: str, b: str, cell: str) -> str:
+    """'; per round 0.98/1.07/1.12' (the paired ratios a target's median comes from)."""
+    pairs = _pairs(size, a, b, cell)
+    return f"; per round {'/'.join(f'{x:.2f}' for x in pairs)}" if len(pairs) > 1 else ""
+
+
+def decode_columns(size: dict) -> list[str]:
+    """The standard cells, plus any other batch x tokens cell some runner measured."""
+    seen = {c for v in size.get("runners", {}).values() for c in (v.get("decode") or {})}
+    extra = sorted(seen - set(DECODE_COLS), key=lambda c: tuple(map(int, c.split("x"))))
+    return [c for c in DECODE_COLS if c in seen] + extra
+
+
+def score_roofline(size: dict) -> dict | None:
+    """Score's compute roofline: tokens/s at the best fp32 MatMul throughput measured on this
+    machine, from the Score call's arithmetic per token (an upper bound: no graph does less)."""
+    rf = size.get("roofline") or {}
+    gflops, params = get(rf, "compute", "gflops"), get(rf, "fp32", "matmul_params")
+    model = rf.get("model") or {}
+    sc = get(size, "runners", "engine", "score")
+    if not (gflops and params and model and sc):
+        return None
+    flops = score_flops_per_token(params, model["n_layers"], model["d_model"], sc["tokens"])
+    return {"tok_s": gflops * 1e9 / flops, "mflop": flops / 1e6, "gflops": gflops}
+
+
+def step_floor(size: dict, batch: int, step16_ms: float | None) -> dict | None:
+    """The least step(1000) / step(16) can be on this machine: step(16) plus the time to read
+    the extra 984 cache rows per sequence (fp32 K and V of every layer) at the measured read
+    bandwidth, with the rest of the step unchanged and the attention arithmetic free."""
+    rf = size.get("roofline") or {}
+    row, gbps = get(rf, "model", "kv_bytes_per_token"), get(rf, "bandwidth", "gbps")
+    if not (row and gbps and step16_ms):
+        return None
+    extra = batch * (1000 - 16) * row
+    ms = extra / (gbps * 1e9) * 1e3
+    return {"extra_mb": extra / 1e6, "gbps": gbps, "extra_ms": ms,
+            "ratio": (step16_ms + ms) / step16_ms}
