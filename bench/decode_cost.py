@@ -48,12 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/profile.py would shadow the stdlib's `profile`
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kvserve.bench.common import CACHE, RESULTS, cpu_model  # noqa: E402
+from kvserve.bench.common import CACHE, RESULTS, cpu_model
 
 TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
 PLAIN, ASKED = "plain", "attention"

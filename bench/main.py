@@ -302,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
              "writes them)")
     args.results = str(out)
     if args.profile:
-        from .profile import main as profile_main
+        from .loop_profile import main as profile_main
 
         return profile_main(args)
     if args.provider == "cuda":
