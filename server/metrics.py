@@ -46,7 +46,7 @@ class LabelledCounter:
 
 
 class Metrics:
-    """The server's metrics; the engine calls the hook methods (see engine.NullMetrics)."""
+    """The server's metrics; the engine calls the hook methods (interfaces.EngineMetrics)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
