@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import logging
 import os
 import platform
 import shutil
@@ -51,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.bench.common import CACHE, RESULTS, cpu_model
+from kvserve.export.logs import quiet_torch_exporter
 
 TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
 PLAIN, ASKED = "plain", "attention"
@@ -77,7 +77,7 @@ def build_artifact(workdir: Path, preset: str, threads: int, seed: int) -> Path:
     from kvserve.model.config import preset as make_preset
     from kvserve.model.transformer import Transformer
 
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     torch.manual_seed(seed)
     model = Transformer(make_preset(preset)).eval()
     ckpt = save_checkpoint(workdir / "ckpt", model)

@@ -5,7 +5,6 @@ a speed; the figures must exist, be positive and fit together."""
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +21,13 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     tokenizer."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
+    from kvserve.export.logs import quiet_torch_exporter
     from kvserve.model.checkpoint import save_checkpoint
     from kvserve.model.config import ModelConfig
     from kvserve.model.tokenizer import train_bpe
     from kvserve.model.transformer import Transformer
 
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     tok = train_bpe(TEXTS, vocab_size=300, min_frequency=1)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
                       n_kv_heads=2, max_seq_len=512, eos_token_id=tok.eos_id,
