@@ -72,6 +72,15 @@ class Metrics:
         self.malformed = LabelledCounter(
             r, p + "malformed_requests_total",
             "requests whose bytes are not the request message, by RPC", ("rpc",))
+        self.prefix_hits = LabelledCounter(r, p + "prefix_cache_hit_tokens_total",
+                                           "prompt tokens whose KV rows came from the prefix "
+                                           "cache")
+        self.prefix_bytes = Gauge(p + "prefix_cache_bytes",
+                                  "memory of the prefix cache's block pool", registry=r)
+        self.spec_drafted = LabelledCounter(r, p + "spec_draft_tokens_total",
+                                            "speculative draft tokens verified")
+        self.spec_accepted = LabelledCounter(r, p + "spec_accepted_tokens_total",
+                                             "speculative draft tokens accepted")
 
     # engine hooks
     def queue_depth(self, n: int) -> None:
@@ -93,6 +102,15 @@ class Metrics:
 
     def step(self, batch: int, seconds: float) -> None:
         self.step_time.observe(seconds)
+
+    def prefix_hit(self, tokens: int) -> None:
+        if tokens:
+            self.prefix_hits.inc(tokens)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.spec_drafted.inc(drafted)
+            self.spec_accepted.inc(accepted)
 
 
 class MetricsServer:

@@ -88,13 +88,18 @@ class Speculator:
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
         (the plain step is cheaper then)."""
+        # a row with attention diagnostics (or feeding its prompt's tail for them) needs the
+        # diagnostics graph's step: the whole batch takes it
+        if any(s.drafting is None for s in active) and \
+                any(s.wants_attention or s.forced for s in active):
+            return None
         if not self.backoff.allow(len(active)):
             return None
         out: list[list[int]] = []
         any_draft = False
         for seq in active:
             d = seq.drafting
-            if d is None or seq.forced:
+            if d is None:
                 out.append([])
                 continue
             gen = seq.generated
