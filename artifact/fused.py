@@ -429,6 +429,9 @@ class FusedLM(ArtifactRunner):
             raise ValueError("verify needs one non-empty row per slot")
         S = max(lens)
         used = kv.used[:n]
+        if any(u + m > self.cfg.max_seq_len for u, m in zip(used.tolist(), lens)):
+            raise ValueError(f"a verification row would pass the model's context of "
+                             f"{self.cfg.max_seq_len} tokens (cap the draft)")
         top = int(used.max()) + S
         if top > kv.capacity:
             kv.ensure_capacity(top)
