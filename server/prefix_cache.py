@@ -52,6 +52,18 @@ def block_key(parent: bytes, tokens) -> bytes:
     return h.digest()
 
 
+def shared_blocks(a, b, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Whole blocks two prompts share from their start (the engine holds back a request that
+    shares uncached blocks with one being prefilled now, so that the prefix is computed once
+    and the second request restores it once the first one's ``insert`` is done)."""
+    n = 0
+    limit = min(len(a), len(b)) // block_tokens
+    while n < limit and a[n * block_tokens:(n + 1) * block_tokens] == \
+            b[n * block_tokens:(n + 1) * block_tokens]:
+        n += 1
+    return n
+
+
 @dataclass
 class _Block:
     key: bytes
