@@ -35,6 +35,7 @@ from kvserve.model.config import ModelConfig
 
 from .fused_ops import MS, Builder, ffn, positions, qk_norm, rope_cache, sinusoidal_table, softcap
 
+FUSED_OPSET = OPSET  # the artifact spec's (one opset for both kinds of graph)
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention needs head_size % 16 == 0
 
 
@@ -198,7 +199,7 @@ def build_fused(cfg: ModelConfig, weights: dict[str, np.ndarray], spec: FusedSpe
                 spec.attn(i), T_FLOAT,
                 ["batch_size", H, "sequence_length", "total_sequence_length"]))
     graph = helper.make_graph(b.nodes, "kvserve-fused", graph_inputs, graph_outputs, b.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", FUSED_OPSET),
                                                     helper.make_opsetid(MS, 1)],
                               producer_name="kvserve")
     model.ir_version = 10
