@@ -27,7 +27,7 @@ from kvserve.model.config import ModelConfig
 
 from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
 from .providers import device_of
-from .spec import fused_spec_from
+from .spec import INPUT_IDS, QUERY_SEQLENS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, fused_spec_from
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +211,8 @@ class _Bound:
         self.seqlens = np.zeros(n, np.int32)
         self.qlens = np.zeros(n, np.int32)
         self.total = np.zeros((), np.int32)
-        arrays = {"input_ids": self.ids, "seqlens_k": self.seqlens,
-                  "query_seqlens": self.qlens, "total_sequence_length": self.total}
+        arrays = {INPUT_IDS: self.ids, SEQLENS_K: self.seqlens, QUERY_SEQLENS: self.qlens,
+                  TOTAL_SEQUENCE_LENGTH: self.total}
         R = S
         self.rows: np.ndarray | None = None
         if spec.logits_rows:
@@ -429,6 +429,9 @@ class FusedLM(ArtifactRunner):
             raise ValueError("verify needs one non-empty row per slot")
         S = max(lens)
         used = kv.used[:n]
+        if any(u + m > self.cfg.max_seq_len for u, m in zip(used.tolist(), lens)):
+            raise ValueError(f"a verification row would pass the model's context of "
+                             f"{self.cfg.max_seq_len} tokens (cap the draft)")
         top = int(used.max()) + S
         if top > kv.capacity:
             kv.ensure_capacity(top)

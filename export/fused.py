@@ -30,12 +30,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from kvserve.artifact.spec import FusedSpec
+from kvserve.artifact.spec import OPSET, FusedSpec
 from kvserve.model.config import ModelConfig
 
 from .fused_ops import MS, Builder, ffn, positions, qk_norm, rope_cache, sinusoidal_table, softcap
 
-FUSED_OPSET = 23  # RMSNormalization (a standard op from 23) for the norms without a skip
+FUSED_OPSET = OPSET  # the artifact spec's (one opset for both kinds of graph)
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention needs head_size % 16 == 0
 
 

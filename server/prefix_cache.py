@@ -52,10 +52,22 @@ def block_key(parent: bytes, tokens) -> bytes:
     return h.digest()
 
 
+def shared_blocks(a, b, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Whole blocks two prompts share from their start (the engine holds back a request that
+    shares uncached blocks with one being prefilled now, so that the prefix is computed once
+    and the second request restores it once the first one's ``insert`` is done)."""
+    n = 0
+    limit = min(len(a), len(b)) // block_tokens
+    while n < limit and a[n * block_tokens:(n + 1) * block_tokens] == \
+            b[n * block_tokens:(n + 1) * block_tokens]:
+        n += 1
+    return n
+
+
 @dataclass
 class _Block:
     key: bytes
-    tokens: tuple
+    tokens: bytes  # the block's ids as int64 bytes (compared on a hit)
     refs: int = 0
 
 
@@ -77,19 +89,15 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` in whole blocks, leaving at least one token:
         (block ids, tokens covered). The blocks are referenced (never evicted) until
         ``release(blocks)``."""
-        bt = self.block_tokens
         blocks: list[int] = []
-        key = ROOT
-        for j in range((len(tokens) - 1) // bt):
-            chunk = tuple(tokens[j * bt:(j + 1) * bt])
-            key = block_key(key, chunk)
+        for key, chunk in self._chain(tokens, (len(tokens) - 1) // self.block_tokens):
             bid = self._by_key.get(key)
             if bid is None or self._blocks[bid].tokens != chunk:
                 break
             blocks.append(bid)
         for bid in blocks:
             self._acquire(bid)
-        return blocks, len(blocks) * bt
+        return blocks, len(blocks) * self.block_tokens
 
     def restore(self, kv, slot: int, blocks: list[int]) -> int:
         """The blocks' rows into the empty ``slot`` (its ``used`` becomes their tokens); the
@@ -114,16 +122,12 @@ class PrefixCache:
         blocks not cached yet into the pool (one device copy). Blocks already cached are
         refreshed in the LRU order. When every block is referenced, fewer blocks (a shorter
         prefix) are cached. Returns the number of blocks copied."""
-        bt = self.block_tokens
-        full = min(len(tokens), int(kv.used[slot])) // bt
+        full = min(len(tokens), int(kv.used[slot])) // self.block_tokens
         chain: list[int] = []  # this sequence's blocks, held while evicting for the new ones
         slot_blocks: list[int] = []
         pool_blocks: list[int] = []
-        key = ROOT
         try:
-            for j in range(full):
-                chunk = tuple(tokens[j * bt:(j + 1) * bt])
-                key = block_key(key, chunk)
+            for j, (key, chunk) in enumerate(self._chain(tokens, full)):
                 bid = self._by_key.get(key)
                 if bid is not None and self._blocks[bid].tokens != chunk:
                     break  # a hash collision: keep the cached block, stop here
@@ -171,6 +175,22 @@ class PrefixCache:
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
 
     # --- internals ---------------------------------------------------------------------------
+    def _chain(self, tokens, n_blocks: int):
+        """(key, token bytes) of the first ``n_blocks`` blocks of ``tokens``, lazily (a
+        lookup stops at the first miss): one conversion of the ids to bytes, then one
+        blake2b per block over a slice of them."""
+        if n_blocks <= 0:
+            return
+        step = self.block_tokens * 8
+        data = array.array("q", tokens[:n_blocks * self.block_tokens]).tobytes()
+        key = ROOT
+        for j in range(n_blocks):
+            chunk = data[j * step:(j + 1) * step]
+            h = hashlib.blake2b(key, digest_size=16)
+            h.update(chunk)
+            key = h.digest()
+            yield key, chunk
+
     def _acquire(self, bid: int) -> None:
         b = self._blocks[bid]
         if b.refs == 0:

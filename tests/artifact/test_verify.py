@@ -66,3 +66,24 @@ def test_truncate_bounds(lm):
     assert kv.used[0] == 3
     with pytest.raises(ValueError, match="non-empty row per slot"):
         lm.verify(kv, 2, [[1], []])
+
+
+def test_rows_past_the_context_are_refused_and_padding_near_it_is_harmless(lm):
+    """A row may end exactly at the model's context; one past it is refused (the engine caps
+    drafts). A short row at the context's end padded to a longer row's length (its padding
+    positions past the context) still gives the plain path's logits."""
+    if lm.kind != "fused":
+        return
+    M, V = lm.cfg.max_seq_len, lm.cfg.vocab_size
+    g = np.random.default_rng(9)
+    p0, p1 = g.integers(0, V, M - 1).tolist(), g.integers(0, V, 10).tolist()
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [p0, p1], last=True)
+    with pytest.raises(ValueError, match=f"context of {M} tokens"):
+        lm.verify(kv, 2, [[3, 4], [5]])
+    assert list(kv.used[:2]) == [M - 1, 10]
+    rows = [[3], [4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    logits = lm.verify(kv, 2, rows).copy()
+    for b, p in enumerate((p0, p1)):
+        want = plain_logits(lm, p, rows[b])
+        assert np.abs(logits[b, :len(rows[b])] - want).max() <= LOGIT_TOL

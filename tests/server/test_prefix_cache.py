@@ -18,7 +18,7 @@ from kvserve.artifact.portable import KVBuffers
 from kvserve.artifact.prefix_pool import NumpyPrefixPool, block_bytes
 from kvserve.model.config import ModelConfig
 from kvserve.server.prefix_cache import (BLOCK_TOKENS, PrefixCache, block_key,
-                                         prefix_cache_unsupported_reason)
+                                         prefix_cache_unsupported_reason, shared_blocks)
 
 CFG = make_config("llama")
 BT = BLOCK_TOKENS
@@ -191,3 +191,12 @@ def test_longrope_is_excluded_with_a_reason():
         original_max_position_embeddings=64, attention_factor=1.2)})
     why = prefix_cache_unsupported_reason(cfg)
     assert why is not None and "LongRoPE" in why and "64 tokens" in why
+
+
+def test_shared_blocks_counts_whole_blocks_from_the_start():
+    a = list(range(40))
+    assert shared_blocks(a, a) == 2
+    assert shared_blocks(a, a[:31]) == 1
+    assert shared_blocks(a, a[:16] + [0] + a[17:]) == 1
+    assert shared_blocks(a, [99] + a[1:]) == 0
+    assert shared_blocks(a, a, block_tokens=8) == 5
