@@ -6,7 +6,9 @@ one call of the fused graph verifies every row's draft (``FusedLM.verify``: rows
 draft feed their one token in the same call), and ``server.spec_verify`` keeps exactly the
 tokens the plain path would have produced (greedy and seeded sampling alike).
 
-Two things keep it from costing speed:
+Three things keep it from costing speed:
+- per sequence, lookups that find nothing are made less often (every 2, 4, 8 steps), so a
+  sequence that never repeats itself costs little Python;
 - per sequence, ``ngram.AdaptiveK``: the draft length follows the recent acceptance, down to
   no drafts (with an occasional probe) while drafts keep failing;
 - per engine, ``Backoff``: the tokens a verification step yields per second are compared with
@@ -24,6 +26,7 @@ from .sequence import Sequence
 _EMA = 0.2  # weight of the newest measurement
 _REFRESH = 32  # verification steps between two plain steps at a batch size (a fresh figure)
 _PAUSE = 64  # plain steps while speculation is paused
+_MAX_SKIP = 8  # steps between lookups of a sequence whose lookups keep finding nothing
 _WORTH = 1.0  # speculation goes on while it yields at least this x the plain tokens/s
 
 
@@ -33,6 +36,8 @@ class Drafting:
     index: NgramIndex
     k: AdaptiveK
     indexed: int = 0  # generated tokens already in the index
+    empty: int = 0  # lookups in a row that found no draft
+    skip: int = 0  # steps left before the next lookup
 
 
 class Backoff:
@@ -102,6 +107,10 @@ class Speculator:
             if d is None:
                 out.append([])
                 continue
+            if d.skip:  # its last lookups found nothing: it looks again less often
+                d.skip -= 1
+                out.append([])
+                continue
             gen = seq.generated
             if d.indexed < len(gen):  # tokens chosen since the last look
                 d.index.extend(gen[d.indexed:])
@@ -111,6 +120,11 @@ class Speculator:
                        self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
             k = d.k.k(room)
             draft = d.index.propose(k) if k > 0 else []
+            if k > 0 and not draft:
+                d.empty += 1
+                d.skip = min(1 << d.empty, _MAX_SKIP) - 1
+            elif draft:
+                d.empty = 0
             out.append(draft)
             any_draft = any_draft or bool(draft)
         return out if any_draft else None
