@@ -126,14 +126,16 @@ def served(artifact_dir, tmp: Path, *extra, env=None, step_delay: float = 0.0):
 
 
 def slow_decode(monkeypatch, app, seconds: float) -> None:
-    """In-process: every decode step of ``app`` sleeps ``seconds`` first (a slow model)."""
-    orig = app.lm.decode
+    """In-process: every model step of ``app`` (decode, and speculation's verify) sleeps
+    ``seconds`` first (a slow model)."""
+    for name in ("decode", "verify"):
+        orig = getattr(app.lm, name)
 
-    def decode(*a, **kw):
-        time.sleep(seconds)
-        return orig(*a, **kw)
+        def slowed(*a, _orig=orig, **kw):
+            time.sleep(seconds)
+            return _orig(*a, **kw)
 
-    monkeypatch.setattr(app.lm, "decode", decode)
+        monkeypatch.setattr(app.lm, name, slowed)
 
 
 # --- TLS -----------------------------------------------------------------------------------------
