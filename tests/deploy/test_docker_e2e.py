@@ -126,6 +126,9 @@ def test_every_service_is_up_and_healthy(stack):
     assert stack.leftovers()["containers"], "no containers"
     builder = inspect(stack.docker, stack.container("model-builder"))
     assert builder["State"]["Status"] == "exited" and builder["State"]["ExitCode"] == 0
+    log = stack("logs", "--no-log-prefix", "model-builder").stdout
+    assert "training the default model into /runs/default" in log, log[-2000:]
+    assert "artifact ready at /models/current" in log, log[-2000:]
     for name in (*SERVERS, "nginx"):
         assert health(stack.docker, stack.container(name)) == "running/healthy", name
 
