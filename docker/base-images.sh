@@ -70,4 +70,5 @@ else
             --change 'EXPOSE 80' \
             - "$nginx_tag" >/dev/null
 fi
-"$docker" image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -F -e "$python_tag" -e "$nginx_tag" >&2
+"$docker" image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' |
+    grep -F -e "$python_tag" -e "$nginx_tag" >&2

@@ -17,7 +17,6 @@ Exit status: the first failing `docker build`'s.
 from __future__ import annotations
 
 import argparse
-import functools
 import http.server
 import os
 import shlex
