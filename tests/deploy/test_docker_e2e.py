@@ -24,7 +24,7 @@ from docker_helpers import (NGINX_BASE, PYTHON_BASE, UID, build_images, engine_o
 pytestmark = pytest.mark.slow
 
 OVERRIDE = REPO / "tests" / "deploy" / "compose.e2e.yml"
-PROJECT = "kvserve-e2e"
+PROJECT = f"kvserve-e2e-{os.getpid()}"  # concurrent runs on one engine do not collide
 SERVERS = ("server-1", "server-2")
 UP_TIMEOUT = 900  # model-builder (train + export the tiny model) + load and warm-up
 PROMPT = "def fib(n):"
@@ -62,7 +62,6 @@ class Stack:
 def stack():
     docker, compose = engine_or_skip()
     s = Stack(docker, compose)
-    s("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
     s.took.update(build_images(docker))
     t0 = time.monotonic()
     try:
