@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import http_log
 from .domain import FinishEvent, FinishReason, ServingError, TokenEvent
 from .openai_requests import ApiError, Parsed, from_serving_error, parse_chat, \
     parse_completion, parse_json
@@ -361,6 +362,7 @@ class HttpServer:
         self._error: BaseException | None = None
 
     def start(self) -> int:
+        http_log.install()  # the requests aiohttp's parser refuses: one line each
         self._thread = threading.Thread(target=self._run, name="kvserve-http", daemon=True)
         self._thread.start()
         self._started.wait()
