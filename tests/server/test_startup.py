@@ -96,3 +96,20 @@ def test_grpc_only_serving_does_not_import_the_http_stack():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_check_ports_only_checks(artifact):
+    """`serve --check-ports` (scripts/main.sh runs it before training): 0 and silent when the
+    ports are free, the one line otherwise; nothing is loaded either way."""
+    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(artifact.dir),
+                        "--check-ports", "--port", "0", "--log-level", "INFO"],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "no/such/dir",
+                            "--check-ports", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith(f"kvserve serve: port {port} on ")
