@@ -19,12 +19,16 @@ import kvserve, kvserve.v1.inference_pb2  # noqa: F401
 sys.exit(pathlib.Path(kvserve.__file__).resolve().parents[1] != pathlib.Path(sys.argv[1]).resolve())
 PY
 }
+PREFIX=$("$PY" -c 'import sys; print(sys.prefix)')
 if [ "${KVSERVE_REINSTALL:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
     && installed && command -v kvserve >/dev/null; then
-  echo "== kvserve is installed and current for $("$PY" -c 'import sys; print(sys.prefix)') (pyproject.toml, setup.py and protos/ unchanged): skipping the install"
+  echo "== kvserve is installed and current in $PREFIX (pyproject.toml, setup.py and protos/"
+  echo "   unchanged since the last install): skipping it (KVSERVE_REINSTALL=1 forces it)"
   exit 0
 fi
-echo "== installing kvserve into $("$PY" -c 'import sys; print(sys.prefix)') with pip install -e \".[train,test]\": $(sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml | head -1) (CPU), onnxruntime, onnx, grpcio, aiohttp, ... (a minute or two the first time)"
+TORCH=$(sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml | head -1)
+echo "== installing kvserve into $PREFIX: pip install -e \".[train,test]\""
+echo "   ($TORCH CPU, onnxruntime, onnx, grpcio, aiohttp, ...: a minute or two the first time)"
 "$PY" -m pip install -q -e ".[train,test]"
 mkdir -p build
 echo "$want" > "$STAMP"

@@ -73,8 +73,8 @@ def test_kvserve_chat_says_at_once_when_the_model_cannot_chat(artifact):
     assert p.returncode == 1
     assert p.stdout == ""  # no "you> " prompt was shown
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "cannot chat" in lines[0] and "no usable chat template" in lines[0], \
-        p.stderr
+    assert len(lines) == 1, p.stderr
+    assert "cannot chat" in lines[0] and "no usable chat template" in lines[0], p.stderr
 
 
 def test_kvserve_chat_without_a_server_names_the_address_given():
