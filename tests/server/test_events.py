@@ -149,8 +149,9 @@ def test_many_streaming_callers_share_the_wake_ups(scaled):
         wakes = max(b.wakes for b in boxes)
         if scaled:  # first token, end, one per n intervals
             assert wakes <= 4 + seconds / (n * interval), (wakes, seconds)
-        else:
-            assert wakes > 4 + seconds / (n * interval), (wakes, seconds)
+        else:  # more than scaled would give; on a machine so slow that each step outlasts
+            # the interval, every token wakes its caller (100 wake-ups; the bound: 100 / n)
+            assert wakes > 4 + min(seconds / (n * interval), 100 / n), (wakes, seconds)
             assert wakes <= 4 + seconds / interval, (wakes, seconds)
     finally:
         engine.stop()
