@@ -82,7 +82,7 @@ def test_no_event_is_lost_between_producer_and_consumer():
 
     def consumer():
         while len(out) < n:
-            out.append(ch.get(timeout=5))
+            out.append(ch.get(timeout=60))
 
     th = threading.Thread(target=consumer)
     th.start()
@@ -91,7 +91,7 @@ def test_no_event_is_lost_between_producer_and_consumer():
         if i % 50 == 49:
             ch.wake()
     ch.wake()
-    th.join(10)
+    th.join(120)  # (returns as soon as the consumer has all: a deadline, not a duration)
     assert out == list(range(n))
 
 
