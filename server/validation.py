@@ -67,18 +67,26 @@ def check_request_id(rid: str) -> str:
     return rid
 
 
+def is_utf8(text: str) -> bool:
+    """False for a str UTF-8 cannot encode: one with a lone surrogate."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_unicode(name: str, text: str) -> str:
     """``text`` is a str that UTF-8 can encode. gRPC strings always are (protobuf checks them);
     a JSON string can carry a lone surrogate (``"\\ud800"``), which the tokenizer refuses with
     a TypeError: it is refused here, naming the field."""
     _need(isinstance(text, str), f"{name} must be a string")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidArgument(f"{name} is not valid Unicode (a lone surrogate "
-                                  f"{text[e.start]!r} at character {e.start}; UTF-8 text "
-                                  "only)") from None
+    if not is_utf8(text):
+        e = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+        raise InvalidArgument(f"{name} is not valid Unicode (a lone surrogate {text[e]!r} at "
+                              f"character {e}; UTF-8 text only)")
     return text
 
 

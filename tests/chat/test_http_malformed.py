@@ -114,3 +114,24 @@ def test_the_check_names_the_field_on_every_path():
     with pytest.raises(InvalidArgument, match=r"texts\[3\] is not valid Unicode"):
         V.check_unicode("texts[3]", "ab\ud800")
     assert V.check_unicode("x", "naïve 😀") == "naïve 😀"
+
+
+ECHOED = [
+    ("/v1/completions", {"model": "m\ud800", "prompt": "ok", "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "ok", "max_tokens": 2, "\ud800": 1}),
+    ("/v1/completions", {"prompt": "ok", "max_tokens": 2, "user": "\ud800"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "\udfff": "x"}],
+                              "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "response_format": {"type": "\ud800"}}),
+]
+
+
+@pytest.mark.parametrize("path,body", ECHOED)
+def test_a_lone_surrogate_anywhere_is_never_a_500(chat_app, caplog, path, body):
+    """Any string field, even one the server only echoes in its error message."""
+    with caplog.at_level(logging.INFO):
+        status, out = raw(chat_app.http_port, post_bytes(path, json.dumps(body).encode()))
+    assert status < 500, (status, out[:300])
+    json.loads(out)  # a JSON body (the surrogate, when echoed, as a \\u escape)
+    assert "Traceback" not in caplog.text
