@@ -39,6 +39,8 @@ class Prompts:
             if not role or len(role) > MAX_ROLE_CHARS or not role.isprintable():
                 raise InvalidArgument(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} "
                                       "printable characters")
+            V.check_unicode(f"messages[{i}].role", role)
+            V.check_unicode(f"messages[{i}].content", content)
             total += len(role) + len(content)
             if total > c.max_chat_chars:
                 raise InvalidArgument(f"the chat's messages have over {c.max_chat_chars} "
