@@ -15,6 +15,8 @@ Each loop iteration:
   4. retire finished / cancelled / expired sequences, compacting slots with the cache's
      ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
+A resumed request (``server.resume``: it carries the tokens an earlier call delivered) is
+brought to where that call left off at admission, and its prefill feeds prompt + those tokens.
 No request waits for another to finish: a new request joins at the next iteration.
 
 A long prompt is prefilled in chunks (``extend`` after the first). Their size: as many tokens
@@ -38,6 +40,7 @@ import numpy as np
 from kvserve.artifact.longrope import LongRopeSwitch
 from kvserve.model.sampling import make_rng
 
+from . import resume
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest, \
     Unavailable
@@ -276,6 +279,8 @@ class Engine:
             seq.staged = bool(self.stream_interval) and isinstance(seq.handle.events, StagedSink)
             seq.quiet = quiet_rule(req.sampling, req.stopping, req.output, self.eos_ids,
                                    seq.staged)
+            if req.resume and resume.restore(seq, self.eos_ids, self.output):
+                continue  # the delivered tokens had ended it: its Complete was all that was left
             (attn if seq.wants_attention else plain).append(seq)
         self.sched.reserve(seqs)
         for group in self.sched.prefill_groups(plain):
@@ -286,19 +291,19 @@ class Engine:
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
         chunk = self.chunk_tokens if attention else self.sched.prefill_tokens()
-        lens = [min(len(s.req.prompt_ids), chunk) for s in group]
+        lens = [min(len(s.prefill_ids), chunk) for s in group]
         active = self.sched.active
         lo = len(active)  # the group takes the next free slots, in order
-        res = self.lm.prefill(self.kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
+        res = self.lm.prefill(self.kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
         for b, (seq, n) in enumerate(zip(group, lens)):
             active.append(seq)
-            if n < len(seq.req.prompt_ids):
+            if n < len(seq.prefill_ids):
                 if attention:  # the rest goes through decode steps, which carry attention
-                    seq.forced.extend(seq.req.prompt_ids[n:])
+                    seq.forced.extend(seq.prefill_ids[n:])
                     seq.feed = seq.forced.popleft()
                     continue
-                self._choose(seq, self._extend(lo + b, seq.req.prompt_ids, n), None)
+                self._choose(seq, self._extend(lo + b, seq.prefill_ids, n), None)
                 continue
             rows = None
             if attention:  # the last prompt token's attention over the prompt

@@ -64,6 +64,14 @@ class Sequence:
     staged: bool = False  # its events box can hold events back (a StagedSink)
     quiet: QuietRule | None = None  # when a step may only record the token (stopping.py)
     held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
+    # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
+    # index of the first token this call generates (server.resume)
+    prefill_ids: list[int] = field(default_factory=list)
+    first_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_ids:
+            self.prefill_ids = self.req.prompt_ids
 
     @property
     def wants_attention(self) -> bool:
