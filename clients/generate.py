@@ -33,7 +33,7 @@ def _int_list(s: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
-    add_connection_arguments(parser, timeout=120.0)
+    add_connection_arguments(parser, timeout=120.0, resume=True)
     s = parser.add_argument_group("sampling (defaults: greedy, no penalties)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
