@@ -366,10 +366,12 @@ class _Base:
             # as gRPC does to calls that arrive while a server stops (a restart, a drain
             # racing a retry). The calls are idempotent, so it counts as UNAVAILABLE.
             code = grpc.StatusCode.UNAVAILABLE
-        if stream is not None and stream.ids:  # a started stream: resumed, or raised
-            if not stream.may_resume(code, err.details):
+        if stream is not None:  # a stream that resumes: also after a proxy's stream reset
+            resumes = stream.may_resume(code, err.details)
+            if stream.ids and not resumes:  # a started stream: resumed, or raised
                 raise err from None
-            code = grpc.StatusCode.UNAVAILABLE  # (a proxy's stream reset too)
+            if resumes:
+                code = grpc.StatusCode.UNAVAILABLE
         if not self.retry.should_retry(code, attempt):
             raise err from None
         delay = self.retry.backoff(attempt)

@@ -91,7 +91,8 @@ class StreamResume:
         raise ResumeError(f"the resumed stream does not continue the one delivered ({what})")
 
     def may_resume(self, code: grpc.StatusCode, details: str) -> bool:
-        """After tokens were delivered: this error is resumed (else raised)."""
+        """This error is resumed (after tokens were delivered; else it is raised) or, before
+        any, retried like UNAVAILABLE."""
         return self.enabled and resumable(code, details)
 
 

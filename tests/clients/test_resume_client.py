@@ -1,8 +1,8 @@
 """The client resumes a started Generate stream (clients/resume.py) against scripted servicers
 on a real gRPC server: the caller sees one stream (every index once, in order) across cuts
-with UNAVAILABLE, RESOURCE_EXHAUSTED and a proxy's INTERNAL "Stream removed"; each attempt
-carries the delivered ids and the same seed (chosen by the client for an unseeded sampled
-request); other errors, ``resume=False`` and a stream that does not continue are raised.
+with UNAVAILABLE, RESOURCE_EXHAUSTED and a proxy's INTERNAL "Stream removed" (before the
+first token too); each attempt carries the delivered ids and the same seed (chosen by the
+client for an unseeded sampled request); other errors, ``resume=False`` and a stream that does not continue are raised.
 The real server's side is tests/server/test_resume*.py; both together behind nginx:
 tests/deploy/test_failover.py."""
 from __future__ import annotations
@@ -80,14 +80,14 @@ def _async(target, **kw):
 
 @pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
 def test_one_stream_across_cuts(scripted, run):
-    svc = Cuts([(3, UNAVAILABLE), (4, RESET), (1, BUSY)])
+    svc = Cuts([(0, RESET), (3, UNAVAILABLE), (4, RESET), (1, BUSY)])
     evs = run(scripted(svc), temperature=0.7)
     toks = [e for e in evs if isinstance(e, TokenEvent)]
     assert [e.index for e in toks] == list(range(N))
     assert [e.id for e in toks] == [100 + i for i in range(N)]
     assert evs[-1].type == "complete" and evs[-1].generated_tokens == N
     assert [list(r.resume.token_ids) for r in svc.requests] == [
-        [], [100, 101, 102], [100 + i for i in range(7)], [100 + i for i in range(8)]]
+        [], [], [100, 101, 102], [100 + i for i in range(7)], [100 + i for i in range(8)]]
     assert all(r.HasField("resume") for r in svc.requests)  # "this client resumes"
     seeds = {r.sampling.seed for r in svc.requests}  # chosen once, kept for every attempt
     assert all(r.sampling.HasField("seed") for r in svc.requests) and len(seeds) == 1
