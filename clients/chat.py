@@ -23,7 +23,7 @@ HELP = "[/reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answe
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_connection_arguments(parser, timeout=300.0, retries=2)
+    add_connection_arguments(parser, timeout=300.0, retries=2, resume=True)
     parser.add_argument("--system", default=None, help="a system message opening the chat")
     s = parser.add_argument_group("sampling (defaults: greedy)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

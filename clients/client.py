@@ -4,8 +4,13 @@
 Retries: only ``UNAVAILABLE`` (not ready, draining, unreachable) and ``RESOURCE_EXHAUSTED``
 (over capacity) are retried, with exponential backoff and full jitter. Everything else
 (``INVALID_ARGUMENT``, ``UNAUTHENTICATED``, ``DEADLINE_EXCEEDED``, ...) is raised at once as a
-:class:`KvserveError`. A streaming Generate is retried only while no token has been delivered to
-the caller: once text has been shown, a retry could repeat or change it.
+:class:`KvserveError`. A streaming Generate that was cut after tokens were delivered is resumed
+(``resume=True``, the default; ``clients/resume.py``, docs/failover.md): the next attempt
+carries the delivered tokens and the server continues exactly where the stream was cut, so
+the caller sees one stream (no index repeated or skipped); it is resumed on the retry codes
+and on a proxy's stream reset (INTERNAL "Stream removed"), and its attempts count from the
+last token delivered. An unseeded sampled request gets a seed chosen by the client so that it
+can be resumed. With ``resume=False`` a started stream's error is raised.
 
 Timeouts apply per attempt (each attempt gets the full ``timeout``); backoff sleeps are extra.
 
@@ -29,6 +34,7 @@ from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from . import messages as M
+from .resume import ResumeError, StreamResume
 # the result types and request builders, importable from here as before
 from .messages import (FINISH_REASONS, AttentionRow, Completion, GenerateEvent, ModelInfo,
                        ScoredToken, ScoreResult, Timings, TokenEvent, TopLogprob,
@@ -125,8 +131,10 @@ class _Base:
     def __init__(self, target: str, *, token: str | None = None, tls_ca: str | Path | None = None,
                  tls: bool = False, timeout: float | None = 60.0,
                  retry: RetryPolicy | None = None, on_attempt: AttemptHook | None = None,
-                 server_name: str | None = None, options: Sequence[tuple] = ()):
+                 server_name: str | None = None, options: Sequence[tuple] = (),
+                 resume: bool = True):
         self.target = target
+        self.resume = resume  # resume started Generate streams (clients/resume.py)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.on_attempt = on_attempt
@@ -141,12 +149,16 @@ class _Base:
     def _timeout(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
+    def _stream(self, prompt, resume: bool | None, options) -> StreamResume:
+        return StreamResume(M.as_generate_request(prompt, options),
+                            self.resume if resume is None else resume)
+
     def _attempt(self, method: str, attempt: int) -> None:
         if self.on_attempt is not None:
             self.on_attempt(method, attempt)
 
     def _retry_or_raise(self, method: str, e: grpc.RpcError, attempt: int,
-                        unary: bool = False) -> float:
+                        unary: bool = False, stream: StreamResume | None = None) -> float:
         err = _wrap(e, attempt)
         code = err.code
         if unary and code is grpc.StatusCode.CANCELLED and not self._closed:
@@ -154,6 +166,12 @@ class _Base:
             # as gRPC does to calls that arrive while a server stops (a restart, a drain
             # racing a retry). The calls are idempotent, so it counts as UNAVAILABLE.
             code = grpc.StatusCode.UNAVAILABLE
+        if stream is not None:  # a stream that resumes: also after a proxy's stream reset
+            resumes = stream.may_resume(code, err.details)
+            if stream.ids and not resumes:  # a started stream: resumed, or raised
+                raise err from None
+            if resumes:
+                code = grpc.StatusCode.UNAVAILABLE
         if not self.retry.should_retry(code, attempt):
             raise err from None
         delay = self.retry.backoff(attempt)
@@ -198,33 +216,38 @@ class Client(_Base):
 
     # Generate ------------------------------------------------------------------------------------
     def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
-                        timeout: float | None = None, on_call=None,
+                        timeout: float | None = None, on_call=None, resume: bool | None = None,
                         **options) -> Iterator[GenerateEvent]:
         """Yield a :class:`TokenEvent` per generated token, then one :class:`Completion`.
-        ``options`` are the keyword arguments of :func:`generate_request`. Retried (on
-        UNAVAILABLE / RESOURCE_EXHAUSTED) only until the first token is delivered.
-        ``on_call(call)`` gets each attempt's gRPC call, so that another thread (or a signal
-        handler's caller) can ``cancel()`` it while this one waits for tokens."""
-        req = M.as_generate_request(prompt, options)
-        lp = req.response.logprobs
+        ``options`` are the keyword arguments of :func:`generate_request`. Retried on
+        UNAVAILABLE / RESOURCE_EXHAUSTED; once tokens were delivered, resumed where it was cut
+        (``resume``: this call's choice, by default the client's). ``on_call(call)`` gets each
+        attempt's gRPC call, so that another thread (or a signal handler's caller) can
+        ``cancel()`` it while this one waits for tokens."""
+        rs = self._stream(prompt, resume, options)
+        lp = rs.base.response.logprobs
         attempt = 0
         while True:
             attempt += 1
             self._attempt("Generate", attempt)
-            delivered = False
-            call = self._stub.Generate(req, timeout=self._timeout(timeout),
+            call = self._stub.Generate(rs.request(), timeout=self._timeout(timeout),
                                        metadata=self._metadata)
             if on_call is not None:
                 on_call(call)
             try:
                 for msg in call:
-                    delivered = True
-                    yield from M.generate_events(msg, lp)
+                    if not msg.HasField("chunk"):
+                        yield M.completion(msg.complete)
+                        return
+                    for c in (msg.chunk, *msg.more):
+                        if rs.accept(c):
+                            attempt = 1  # progress: the retry budget starts again
+                            yield M.token_event(c, lp)
                 return
             except grpc.RpcError as e:
-                if delivered:
-                    raise _wrap(e, attempt) from None
-                delay = self._retry_or_raise("Generate", e, attempt)
+                delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
+            except ResumeError as e:
+                raise KvserveError(grpc.StatusCode.DATA_LOSS, str(e), attempt) from None
             finally:
                 call.cancel()  # no-op when finished; frees the server slot if we stop early
             time.sleep(delay)
@@ -292,27 +315,31 @@ class AsyncClient(_Base):
                 await asyncio.sleep(self._retry_or_raise(method, e, attempt, unary=True))
 
     async def generate_stream(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
-                              timeout: float | None = None, **options
-                              ) -> AsyncIterator[GenerateEvent]:
-        req = M.as_generate_request(prompt, options)
-        lp = req.response.logprobs
+                              timeout: float | None = None, resume: bool | None = None,
+                              **options) -> AsyncIterator[GenerateEvent]:
+        """As :meth:`Client.generate_stream`."""
+        rs = self._stream(prompt, resume, options)
+        lp = rs.base.response.logprobs
         attempt = 0
         while True:
             attempt += 1
             self._attempt("Generate", attempt)
-            delivered = False
-            call = self._stub.Generate(req, timeout=self._timeout(timeout),
+            call = self._stub.Generate(rs.request(), timeout=self._timeout(timeout),
                                        metadata=self._metadata)
             try:
                 async for msg in call:
-                    delivered = True
-                    for ev in M.generate_events(msg, lp):
-                        yield ev
+                    if not msg.HasField("chunk"):
+                        yield M.completion(msg.complete)
+                        return
+                    for c in (msg.chunk, *msg.more):
+                        if rs.accept(c):
+                            attempt = 1  # progress: the retry budget starts again
+                            yield M.token_event(c, lp)
                 return
             except grpc.RpcError as e:
-                if delivered:
-                    raise _wrap(e, attempt) from None
-                delay = self._retry_or_raise("Generate", e, attempt)
+                delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
+            except ResumeError as e:
+                raise KvserveError(grpc.StatusCode.DATA_LOSS, str(e), attempt) from None
             finally:
                 call.cancel()
             await asyncio.sleep(delay)

@@ -14,7 +14,7 @@ TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float = 60.0,
-                             retries: int = 3) -> None:
+                             retries: int = 3, resume: bool = False) -> None:
     g = parser.add_argument_group("connection")
     g.add_argument("--server", default="127.0.0.1:50051", type=server_address,
                    help="HOST:PORT of a kvserve server (default %(default)s)")
@@ -31,6 +31,10 @@ def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float 
     g.add_argument("--retries", type=int, default=retries,
                    help="retries on UNAVAILABLE / RESOURCE_EXHAUSTED, with exponential backoff "
                         "and jitter (default %(default)s)")
+    if resume:  # the commands that stream
+        g.add_argument("--no-resume", action="store_true",
+                       help="do not resume a stream cut after tokens were delivered (by "
+                            "default it continues on another replica: docs/failover.md)")
 
 
 def server_address(value: str) -> str:
@@ -53,7 +57,7 @@ def client_from_args(args: argparse.Namespace, **kw) -> Client:
     return Client(args.server, token=args.token or os.environ.get(TOKEN_ENV) or None,
                   tls_ca=args.tls_ca, tls=args.tls, server_name=args.tls_server_name,
                   timeout=args.timeout if args.timeout and args.timeout > 0 else None,
-                  retry=policy, **kw)
+                  retry=policy, resume=not getattr(args, "no_resume", False), **kw)
 
 
 # gRPC names the address it resolved (``ipv6:%5B::1%5D:50071``), not the one the user gave

@@ -39,7 +39,7 @@ def _int_list(s: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
-    add_connection_arguments(parser, timeout=120.0)
+    add_connection_arguments(parser, timeout=120.0, resume=True)
     s = parser.add_argument_group(
         "sampling (default: temperature 0.8, top-k 40, top-p 0.95 and a printed random seed; "
         "given any of --temperature/--top-k/--top-p/--min-p, the others are off; no penalties)")

@@ -31,7 +31,8 @@ STATUS_CODES = [
     ("RESOURCE_EXHAUSTED", "over capacity (queue full, too many calls) or a message over the "
                            "size limit; retry later / send less"),
     ("UNAVAILABLE", "not ready yet (loading), draining after SIGTERM, or unreachable; retry, "
-                    "on another replica if there is one"),
+                    "on another replica if there is one (a started stream: resume it there, "
+                    "docs/failover.md)"),
     ("DEADLINE_EXCEEDED", "the caller's deadline passed; the server stopped the work"),
     ("CANCELLED", "the caller cancelled; the server freed the slot (gRPC also ends calls that "
                   "reach a server while it stops this way: the Python client retries unary "

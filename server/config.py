@@ -161,7 +161,8 @@ class ServerConfig:
                                     limit="RESOURCE_EXHAUSTED from gRPC itself")
     drain_grace: float = _opt(30.0, "seconds in-flight calls get to finish after SIGTERM",
                               limit="calls still in flight: UNAVAILABLE 'the server is shutting "
-                                    "down'; new calls during the drain: UNAVAILABLE")
+                                    "down'; new calls during the drain: UNAVAILABLE; streams "
+                                    "of clients that resume move at once (UNAVAILABLE)")
     tls_cert: str = _opt("", "PEM certificate chain (enables TLS with --tls-key)")
     tls_key: str = _opt("", "PEM private key")
     auth_token: str = _opt("", "require `authorization: Bearer <token>` (health is exempt); "

@@ -83,6 +83,9 @@ class GenerateRequest:
     output: OutputParams
     request_id: str = ""
     deadline: float | None = None  # time.monotonic() after which the work stops
+    # the tokens an earlier call of this request delivered: it continues after them
+    # (server.resume)
+    resume: tuple[int, ...] = ()
 
 
 @dataclass

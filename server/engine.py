@@ -15,6 +15,8 @@ Each loop iteration:
   4. retire finished / cancelled / expired sequences, compacting slots with the cache's
      ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
+A resumed request (``server.resume``: it carries the tokens an earlier call delivered) is
+brought to where that call left off at admission, and its prefill feeds prompt + those tokens.
 No request waits for another to finish: a new request joins at the next iteration.
 
 A long prompt is prefilled in chunks (``extend`` after the first). Their size: as many tokens
@@ -37,6 +39,7 @@ from kvserve.artifact.longrope import LongRopeSwitch
 from kvserve.artifact.prefix_pool import make_prefix_pool
 from kvserve.model.sampling import make_rng
 
+from . import resume
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest, \
     Unavailable
@@ -308,6 +311,8 @@ class Engine:
             seq.staged = bool(self.stream_interval) and isinstance(seq.handle.events, StagedSink)
             seq.quiet = quiet_rule(req.sampling, req.stopping, req.output, self.eos_ids,
                                    seq.staged)
+            if req.resume and resume.restore(seq, self.eos_ids, self.output):
+                continue  # the delivered tokens had ended it: its Complete was all that was left
             (attn if seq.wants_attention else plain).append(seq)
             if self.spec is not None:
                 self.spec.admit(seq)

@@ -58,7 +58,7 @@ class ModelRunner:
         seen: set[tuple] = set()
         batched, later = [], []
         for seq in seqs:
-            ids = seq.req.prompt_ids
+            ids = seq.prefill_ids
             first = tuple(ids[:bt]) if len(ids) > bt else None
             if first is not None and (first in seen or self._cached(ids)):
                 later.append(seq)
@@ -76,14 +76,14 @@ class ModelRunner:
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
         chunk = self.sched.chunk_tokens if attention else self.sched.prefill_tokens()
-        lens = [min(len(s.req.prompt_ids), chunk) for s in group]
+        lens = [min(len(s.prefill_ids), chunk) for s in group]
         active, kv = self.sched.active, self.sched.kv
         lo = len(active)  # the group takes the next free slots, in order
-        res = self.lm.prefill(kv, lo, [s.req.prompt_ids[:n] for s, n in zip(group, lens)],
+        res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
         for b, (seq, n) in enumerate(zip(group, lens)):
             active.append(seq)
-            ids = seq.req.prompt_ids
+            ids = seq.prefill_ids
             if n < len(ids):
                 if attention:  # the rest goes through decode steps, which carry attention
                     seq.forced.extend(ids[n:])
@@ -106,7 +106,7 @@ class ModelRunner:
         """One sequence: its prompt's longest cached prefix restored, the rest prefilled."""
         kv, active = self.sched.kv, self.sched.active
         slot = len(active)
-        blocks, n = self.prefix.match(seq.req.prompt_ids)
+        blocks, n = self.prefix.match(seq.prefill_ids)
         try:
             if n:
                 kv.used[slot] = 0  # (an empty slot: the scheduler leaves them so)
@@ -116,13 +116,13 @@ class ModelRunner:
         seq.cached_tokens = n
         self.metrics.prefix_hit(n)
         active.append(seq)
-        last = self._extend(slot, seq.req.prompt_ids, n)  # (n = 0: the whole prompt)
+        last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
         self._cache_prompt(slot, seq)
         self.choose(seq, last, None)
 
     def _cache_prompt(self, slot: int, seq: Sequence) -> None:
         if self.prefix is not None:
-            self.prefix.insert(self.sched.kv, slot, seq.req.prompt_ids)
+            self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
 
     def cache_tokens(self, slot: int, seq: Sequence) -> None:
         """A leaving sequence's rows (prompt and generated tokens) into the prefix cache."""

@@ -94,7 +94,7 @@ class OutputProcessor:
         chosen (a held token's step), by default now."""
         if now is None:
             now = time.monotonic()
-        first = ev.index == 0
+        first = ev.index == seq.first_index  # (a resumed stream's first new token too)
         self.metrics.token(first, now - (seq.submitted if first else seq.last_token))
         if first:
             seq.first_token = now

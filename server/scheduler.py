@@ -86,11 +86,11 @@ class Scheduler:
     def prefill_groups(self, plain: list[Sequence]) -> list[list[Sequence]]:
         """Batched prefill groups, shortest first, so that B x T stays under the chunk."""
         chunk = self.prefill_tokens()
-        plain = sorted(plain, key=lambda s: min(len(s.req.prompt_ids), chunk))
+        plain = sorted(plain, key=lambda s: min(len(s.prefill_ids), chunk))
         groups: list[list[Sequence]] = []
         group: list[Sequence] = []
         for seq in plain:
-            t = min(len(seq.req.prompt_ids), chunk)
+            t = min(len(seq.prefill_ids), chunk)
             if group and (len(group) + 1) * t > chunk:
                 groups.append(group)
                 group = []

@@ -66,6 +66,14 @@ class Sequence:
     held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
     drafting: Any = None  # speculation.Drafting where it may draft
     cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
+    # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
+    # index of the first token this call generates (server.resume)
+    prefill_ids: list[int] = field(default_factory=list)
+    first_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_ids:
+            self.prefill_ids = self.req.prompt_ids
 
     @property
     def wants_attention(self) -> bool:

@@ -14,6 +14,7 @@ from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 from . import request_map as RM
+from . import resume
 from . import validation as V
 from .domain import (FailedPrecondition, FinishEvent, FinishReason, GenerateRequest,
                      InvalidArgument, QueueFull, ServingError, TokenEvent, Unavailable,
@@ -24,6 +25,9 @@ from .state import ServingState
 log = logging.getLogger(__name__)
 
 _COALESCE_MAX = 64  # tokens in one coalesced Generate message
+
+# what a draining server tells a stream whose client resumes (GenerateRequest.resume is set)
+MOVING = "the server is draining: this stream moves to another replica (resume it there)"
 
 MAX_TOKENIZE_TEXTS = 1024
 
@@ -107,9 +111,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  attention_layers=list(o.attention.layers),
                                  attention_heads=list(o.attention.heads),
                                  attention_available=self.engine.lm.has_attention, lim=self.lim)
-        return GenerateRequest(ids, sampling, stopping, output,
-                               request_id=V.check_request_id(r.request_id),
-                               deadline=self._deadline(context))
+        delivered = V.check_ids("resume.token_ids", r.resume.token_ids, self.lim,
+                                max_len=stopping.max_new_tokens)
+        req = GenerateRequest(ids, sampling, stopping, output,
+                              request_id=V.check_request_id(r.request_id),
+                              deadline=self._deadline(context), resume=tuple(delivered))
+        resume.check(req, self.tb, self.engine.eos_ids)
+        return req
 
     def _chunk(self, ev: TokenEvent) -> pb.GenerateResponse:
         c = pb.TokenChunk(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)
@@ -143,16 +151,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         context.add_callback(handle.cancel)  # client gone / deadline: free the slot
         rid = handle.request_id
         coalesce = request.response.coalesce
+        # a client that resumes: a drain moves its stream at once (the tokens it has, it keeps)
+        movable = request.HasField("resume")
         held = None  # an event taken while coalescing, handled next
         while True:
             try:
-                ev = held or handle.events.get(timeout=1.0)
+                ev = held or handle.events.get(timeout=0.25 if movable else 1.0)
                 held = None
             except queue.Empty:
                 if not context.is_active():
                     handle.cancel()
+                elif movable and self.state.draining:
+                    self._move(handle, context)
                 continue
             if isinstance(ev, TokenEvent):
+                if movable and self.state.draining:
+                    self._move(handle, context)
                 msg = self._chunk(ev)
                 while coalesce and len(msg.more) < _COALESCE_MAX:
                     try:  # tokens that are ready already ride along
@@ -185,6 +199,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 context.abort(grpc.StatusCode.INTERNAL, "generation failed (internal error); "
                                                         f"request {rid}")
             return
+
+    def _move(self, handle, context) -> None:
+        """End a resumable stream of a draining server: UNAVAILABLE, on which its client
+        resumes it elsewhere with the tokens it got (the event in hand was not sent)."""
+        handle.cancel()
+        context.abort(grpc.StatusCode.UNAVAILABLE, MOVING)
 
     # --- Score ---------------------------------------------------------------------------------
     def Score(self, request, context):  # noqa: N802

@@ -62,8 +62,9 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
     """Per method (``/kvserve.v1.Inference/Generate`` ...): the largest valid request in bytes
     and the caps of its repeated fields. ``cfg`` is the ServerConfig, ``lim`` the Limits."""
     stops = cfg.max_stop_strings * (cfg.max_stop_string_chars * UTF8_MAX + ENTRY)
+    resumed = min(cfg.max_new_tokens, lim.max_context)  # Resume.token_ids
     generate = (max(cfg.max_prompt_chars * UTF8_MAX, lim.max_context * ID_MAX) + stops
-                + (cfg.max_stop_token_ids + lim.n_layers + lim.n_heads) * ID_MAX)
+                + (cfg.max_stop_token_ids + lim.n_layers + lim.n_heads + resumed) * ID_MAX)
     score = max(score_chars(cfg) * UTF8_MAX, cfg.max_score_tokens * ID_MAX) \
         + cfg.max_score_sequences * ENTRY
     tokenize = tokenize_chars(cfg) * UTF8_MAX + MAX_TOKENIZE_TEXTS * ENTRY
@@ -76,7 +77,8 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
             "stopping.stop": (cfg.max_stop_strings, "stop strings"),
             "stopping.stop_token_ids": (cfg.max_stop_token_ids, "stop token ids"),
             "response.attention.layers": (lim.n_layers, "attention layers"),
-            "response.attention.heads": (lim.n_heads, "attention heads")}),
+            "response.attention.heads": (lim.n_heads, "attention heads"),
+            "resume.token_ids": (resumed, "resumed tokens")}),
         "Score": MethodLimit(base + score, {
             "texts": (cfg.max_score_sequences, "sequences"),
             "texts.chars": (score_chars(cfg), "characters in all"),

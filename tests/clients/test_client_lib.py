@@ -1,5 +1,6 @@
 """The Python client: typed results, async parity, retries (which codes, how many attempts, never
-after streamed tokens), against real servers on loopback."""
+after streamed tokens unless resuming: tests/clients/test_resume_client.py), against real
+servers on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -205,7 +206,7 @@ def test_retries_are_bounded(scripted):
 def test_stream_not_retried_after_tokens_were_delivered(scripted):
     svc = Scripted(break_stream=True)
     got = []
-    with Client(scripted(svc), retry=RetryPolicy(max_attempts=5, **FAST)) as c:
+    with Client(scripted(svc), retry=RetryPolicy(max_attempts=5, **FAST), resume=False) as c:
         with pytest.raises(KvserveError) as e:
             for ev in c.generate_stream("x"):
                 got.append(ev.text)
@@ -219,7 +220,8 @@ def test_async_stream_not_retried_after_tokens(scripted):
 
     async def go():
         got = []
-        async with AsyncClient(target, retry=RetryPolicy(max_attempts=5, **FAST)) as c:
+        async with AsyncClient(target, retry=RetryPolicy(max_attempts=5, **FAST),
+                               resume=False) as c:
             with pytest.raises(KvserveError):
                 async for ev in c.generate_stream("x"):
                     got.append(ev.text)

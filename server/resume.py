@@ -1,0 +1,85 @@
+"""Resuming a cut stream: a request that carries the tokens an earlier call of it delivered
+(``GenerateRequest.resume``) goes on exactly as the uninterrupted call would have.
+
+At admission (``restore``, called once from ``Engine._admit``) the delivered tokens are
+replayed through the sequence's detokenizer and stop matcher without making events, so that a
+stop string spanning the boundary is still found and text the matcher held back comes out
+where it would have; they become the sequence's ``generated`` tokens (penalties,
+``min_new_tokens``, ``max_new_tokens`` and token indices count them); a sampled request's
+generator is advanced by the draws they cost; and the engine's usual prefill path feeds
+prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered tokens, no
+other work.
+
+The draw count is derived, not carried: ``model.sampling`` draws exactly one uniform per
+sampled (non-greedy) step and none on a greedy one, so the n delivered tokens of a sampled
+request cost n draws, of a greedy one none. (A future step that chooses a token without a
+draw, e.g. a constraint that allows a single token, must then carry the count in the request.)
+A sampled request without a seed cannot be continued identically and is refused.
+
+``check`` runs in the caller's thread before submission (INVALID_ARGUMENT for tokens that run
+past the end of the stream they claim to continue); ``restore`` in the engine's.
+"""
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
+from .domain import FinishReason, GenerateRequest, InvalidArgument, StopParams
+from .sequence import Sequence
+from .stopping import StopCheck, check_stop
+
+
+def _replay(tokens: Seq[int], st: StopParams, eos_ids: frozenset[int],
+            detok: IncrementalDetokenizer, stopper: StopMatcher,
+            texts: list[str]) -> tuple[int, StopCheck | None]:
+    """Push ``tokens`` (generated indices 0..) through the detokenizer and stop matcher as
+    the output processor did when it emitted them; each token's released text goes to
+    ``texts``. Returns how many were replayed and, when one ended the stream, its check (the
+    replay stops there)."""
+    for k, tok in enumerate(tokens):
+        stop = check_stop(tok, k, st, eos_ids, detok, stopper)
+        texts.append(stop.text)
+        if stop.finish is not None:
+            return k + 1, stop
+    return len(tokens), None
+
+
+def check(req: GenerateRequest, token_bytes: TokenBytes, eos_ids: frozenset[int]) -> None:
+    """Refuse a resume the server cannot continue identically: a sampled request without a
+    seed, more tokens than ``max_new_tokens``, tokens after one that ended the stream."""
+    n = len(req.resume)
+    if not n:
+        return
+    if not req.sampling.greedy and req.sampling.seed is None:
+        raise InvalidArgument("resume.token_ids of a sampled request needs its sampling.seed "
+                              "(a resumed stream continues the same random sequence)",
+                              field="resume.token_ids")
+    if n > req.stopping.max_new_tokens:
+        raise InvalidArgument(f"resume.token_ids has {n} tokens; max_new_tokens is "
+                              f"{req.stopping.max_new_tokens}", field="resume.token_ids")
+    done, stop = _replay(req.resume, req.stopping, eos_ids, IncrementalDetokenizer(token_bytes),
+                         StopMatcher(req.stopping.stop), [])
+    if done < n:
+        raise InvalidArgument(f"resume.token_ids: token {done - 1} ended the stream "
+                              f"({stop.finish.value}); nothing can follow it",
+                              field="resume.token_ids")
+
+
+def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
+    """Bring a resumed ``seq`` (its detokenizer, stop matcher and generator made fresh) to
+    where the earlier call left it. Returns True when the delivered tokens had ended the
+    stream already: ``output`` (the OutputProcessor) has then finished it and it needs no
+    prefill."""
+    req = seq.req
+    done, stop = _replay(req.resume, req.stopping, eos_ids, seq.detok, seq.stopper, seq.text)
+    seq.generated.extend(req.resume[:done])
+    seq.first_index = done
+    seq.prefill_ids = [*req.prompt_ids, *seq.generated]
+    if seq.rng is not None:  # one draw per sampled step (model.sampling)
+        seq.rng.bit_generator.advance(done)
+    if stop is None:
+        return False
+    output.finish(seq, stop.finish, stop_sequence=stop.stop_sequence,
+                  stop_token=seq.generated[-1] if stop.finish is FinishReason.STOP_TOKEN
+                  else None)
+    return True
