@@ -22,8 +22,20 @@ class Prompts:
     def chat_available(self) -> bool:
         return self.template is not None
 
-    def text(self, text: str, name: str = "text") -> list[int]:
-        return self.tok.encode(V.check_text(name, text, self.lim))
+    def text(self, text: str, name: str = "text", add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids exactly as transformers' ``AutoTokenizer(text)`` gives them: the
+        tokenizer.json's post-processor adds what the model expects (Llama 2/3's and Gemma's
+        BOS; none for Qwen or the BPEs trained here). transformers >= 5 reads no
+        ``add_bos_token``/``add_eos_token`` from tokenizer_config.json once a tokenizer.json
+        exists, so neither does this (docs/structured-outputs.md, "Tokenization")."""
+        return self.tok.encode(V.check_text(name, text, self.lim),
+                               add_special_tokens=add_special_tokens)
+
+    def texts(self, texts: Sequence[str], limit: int, name=lambda i: f"texts[{i}]",
+              add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts (Score, Tokenize), each checked, ``limit`` characters in all."""
+        checked = V.check_texts(texts, limit, self.lim, name)
+        return self.tok.encode_batch(checked, add_special_tokens=add_special_tokens)
 
     def ids(self, ids: Sequence[int], name: str = "token_ids") -> list[int]:
         return V.check_ids(name, ids, self.lim, max_len=self.lim.max_context)
@@ -60,5 +72,7 @@ class Prompts:
 
     def chat(self, messages: Sequence[tuple[str, str]],
              add_generation_prompt: bool = True) -> list[int]:
+        # The template writes its own BOS: encoded as transformers' apply_chat_template
+        # (tokenize=True) does, without the post-processor's (never a second BOS).
         return self.text(self.render(messages, add_generation_prompt),
-                         name="the rendered chat prompt")
+                         name="the rendered chat prompt", add_special_tokens=False)
