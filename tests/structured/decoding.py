@@ -5,21 +5,29 @@ so that unbounded grammars (any JSON object, nested expressions) end in a bounde
 steps; the mask alone decides what is valid."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 CLOSERS = ('"', "}", "]", ")")
 
 
+@functools.lru_cache(maxsize=8)
+def _tokenizer(tokenizer_json: str):
+    hf = HFTokenizer.from_str(tokenizer_json)
+    closing = [i for i in range(hf.get_vocab_size())
+               if any(c in (hf.id_to_token(i) or "") for c in CLOSERS)]
+    return hf, tuple(closing)
+
+
 class RandomModel:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids, seed: int,
                  lean: float = 0.08, scale: float = 3.0):
-        self.hf = HFTokenizer.from_str(tokenizer_json)
+        self.hf, closing = _tokenizer(tokenizer_json)
         self.vocab, self.eos = vocab_size, tuple(eos_ids)
         self.rng = np.random.default_rng(seed)
         self.lean, self.scale = lean, scale
-        closing = [i for i in range(self.hf.get_vocab_size())
-                   if any(c in (self.hf.id_to_token(i) or "") for c in CLOSERS)]
         self.closing = np.array(sorted(set(closing) | set(self.eos)), dtype=np.int64)
 
     def logits(self, step: int) -> np.ndarray:
