@@ -62,17 +62,41 @@ class Prompts:
             out.append({"role": role, "content": content})
         return out
 
-    def render(self, messages: Sequence[tuple[str, str]],
-               add_generation_prompt: bool = True) -> str:
-        """The chat rendered with the model's template (the prompt text)."""
+    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False) -> str:
+        """The chat rendered with the model's template (the prompt text).
+        ``continue_final_message``: the text ends with the last message's content (its end of
+        turn cut off), so the model continues it (transformers' apply_chat_template rule)."""
         if self.template is None:
             raise FailedPrecondition(self.template_error or NO_TEMPLATE)
         msgs = self.check_messages(messages)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidArgument("continue_final_message and add_generation_prompt cannot "
+                                      "both be true")
+            msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + CONTINUE_TAG}
+            return cut_at_tag(self.template.render(msgs, add_generation_prompt=False))
         return self.template.render(msgs, add_generation_prompt=add_generation_prompt)
 
-    def chat(self, messages: Sequence[tuple[str, str]],
-             add_generation_prompt: bool = True) -> list[int]:
+    def chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[int]:
         # The template writes its own BOS: encoded as transformers' apply_chat_template
         # (tokenize=True) does, without the post-processor's (never a second BOS).
-        return self.text(self.render(messages, add_generation_prompt),
+        return self.text(self.render(messages, add_generation_prompt, continue_final_message),
                          name="the rendered chat prompt", add_special_tokens=False)
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def cut_at_tag(rendered: str) -> str:
+    """transformers' continue_final_message rule: the final message is rendered with a tag
+    appended and the text is cut where the tag is (the whitespace before it dropped as well
+    when the template trimmed the tag's own trailing space)."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise InvalidArgument("continue_final_message: the final message does not appear in "
+                              "the rendered chat (the template changes its content)")
+    if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()

@@ -13,6 +13,7 @@ import pytest
 from kvserve.model.tokenizer import Tokenizer, train_bpe
 from kvserve.server.chat_template import ChatTemplate
 from kvserve.server.config import ServerConfig
+from kvserve.server.domain import InvalidArgument
 from kvserve.server.prompts import Prompts
 from kvserve.server.validation import Limits
 from kvserve_testing import TRAIN_TEXTS
@@ -115,7 +116,7 @@ def test_edited_gemma2_as_transformers(tmp_path, post, config):
     assert ours.text("Hello") == ([2, 4521] if post == "keep" else [4521])
 
 
-def _bpe_dir(tmp_path, name, specials, config, single=None):
+def _bpe_dir(tmp_path, name, specials, config, single=None, template=BOS_TEMPLATE):
     tok = train_bpe(TRAIN_TEXTS, vocab_size=400, min_frequency=1)
     hf = tok._tok
     hf.add_special_tokens(list(specials))
@@ -130,7 +131,7 @@ def _bpe_dir(tmp_path, name, specials, config, single=None):
     d = tmp_path / name
     d.mkdir()
     (d / "tokenizer.json").write_text(text)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": BOS_TEMPLATE,
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
                                                          **config}))
     return d
 
@@ -195,3 +196,26 @@ def test_texts_batch_matches_single(tmp_path):
     assert ours.texts(STRINGS[:5], 10_000) == [ours.text(s) for s in STRINGS[:5]]
     assert ours.texts(["Hello"], 100, add_special_tokens=False) == [[4521]]
     shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("final", ["The answer is", "  spaced out  ", "ends with newline\n"])
+@pytest.mark.parametrize("template", ["bos", "llama3"])
+def test_continue_final_message_as_transformers(tmp_path, final, template):
+    """The rendered chat ends with the last message's content (a template that trims it,
+    Llama 3's, and one that keeps it), token for token as apply_chat_template."""
+    from kvserve_testing import LLAMA3_TEMPLATE
+
+    src = LLAMA3_TEMPLATE if template == "llama3" else BOS_TEMPLATE
+    d = _bpe_dir(tmp_path, "c", ["<bos>", "<eos>", "<|begin_of_text|>", "<|start_header_id|>",
+                                 "<|end_header_id|>", "<|eot_id|>"],
+                 {**GEMMA_LIKE, "bos_token": "<|begin_of_text|>" if template == "llama3"
+                  else "<bos>"}, None, src)
+    ours, ref = _prompts(d), _auto(d)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": final}]
+    want = ref.apply_chat_template(chat, tokenize=False, continue_final_message=True)
+    got = ours.render([(m["role"], m["content"]) for m in chat], add_generation_prompt=False,
+                      continue_final_message=True)
+    assert got == want
+    assert got.rstrip().endswith(final.strip())
+    with pytest.raises(InvalidArgument, match="cannot both be true"):
+        ours.render([("user", "x")], add_generation_prompt=True, continue_final_message=True)
