@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as V
+from .chat_messages import message_dict
+from .chat_messages import template_kwargs as template_kwargs_check
 from .chat_template import NO_TEMPLATE, ChatTemplate
 from .domain import FailedPrecondition, InvalidArgument
 
@@ -40,7 +42,9 @@ class Prompts:
     def ids(self, ids: Sequence[int], name: str = "token_ids") -> list[int]:
         return V.check_ids(name, ids, self.lim, max_len=self.lim.max_context)
 
-    def check_messages(self, messages: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    def check_messages(self, messages: Sequence) -> list[dict]:
+        """(role, content) pairs or message dicts (``chat_messages.MESSAGE_KEYS``: assistant
+        ``tool_calls``, ``tool`` results), checked and bounded."""
         c = self.lim.cfg
         if not messages:
             raise InvalidArgument("the chat has no messages (it needs at least 1)")
@@ -49,24 +53,35 @@ class Prompts:
                                   f"{c.max_chat_messages}")
         total = 0
         out = []
-        for i, (role, content) in enumerate(messages):
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise InvalidArgument(f"messages[{i}]: role and content must be strings")
-            if not role or len(role) > MAX_ROLE_CHARS or not role.isprintable():
+        for i, m in enumerate(messages):
+            if isinstance(m, dict):
+                msg, size = message_dict(i, m)
+            else:
+                role, content = m
+                if not isinstance(role, str) or not isinstance(content, str):
+                    raise InvalidArgument(f"messages[{i}]: role and content must be strings")
+                msg, size = {"role": role, "content": content}, len(content)
+            role = msg["role"]
+            if not isinstance(role, str) or not role or len(role) > MAX_ROLE_CHARS \
+                    or not role.isprintable():
                 raise InvalidArgument(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} "
                                       "printable characters")
-            total += len(role) + len(content)
+            total += len(role) + size
             if total > c.max_chat_chars:
                 raise InvalidArgument(f"the chat's messages have over {c.max_chat_chars} "
                                       f"characters in all; the limit is {c.max_chat_chars}")
-            out.append({"role": role, "content": content})
+            out.append(msg)
         return out
 
-    def render(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False) -> str:
+    def render(self, messages: Sequence, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The chat rendered with the model's template (the prompt text).
         ``continue_final_message``: the text ends with the last message's content (its end of
-        turn cut off), so the model continues it (transformers' apply_chat_template rule)."""
+        turn cut off), so the model continues it (transformers' apply_chat_template rule).
+        ``tools``: the request's tools as the template receives them (``Tool.raw``);
+        ``template_kwargs``: ``chat_template_kwargs`` (checked here)."""
+        kw = {"tools": tools, **template_kwargs_check(template_kwargs)}
         if self.template is None:
             raise FailedPrecondition(self.template_error or NO_TEMPLATE)
         msgs = self.check_messages(messages)
@@ -74,16 +89,21 @@ class Prompts:
             if add_generation_prompt:
                 raise InvalidArgument("continue_final_message and add_generation_prompt cannot "
                                       "both be true")
+            if not isinstance(msgs[-1].get("content"), str):
+                raise InvalidArgument("continue_final_message: the final message has no content "
+                                      "to continue")
             msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + CONTINUE_TAG}
-            return cut_at_tag(self.template.render(msgs, add_generation_prompt=False))
-        return self.template.render(msgs, add_generation_prompt=add_generation_prompt)
+            return cut_at_tag(self.template.render(msgs, add_generation_prompt=False, **kw))
+        return self.template.render(msgs, add_generation_prompt=add_generation_prompt, **kw)
 
-    def chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[int]:
+    def chat(self, messages: Sequence, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             template_kwargs: dict | None = None) -> list[int]:
         # The template writes its own BOS: encoded as transformers' apply_chat_template
         # (tokenize=True) does, without the post-processor's (never a second BOS).
-        return self.text(self.render(messages, add_generation_prompt, continue_final_message),
-                         name="the rendered chat prompt", add_special_tokens=False)
+        text = self.render(messages, add_generation_prompt, continue_final_message, tools,
+                           template_kwargs)
+        return self.text(text, name="the rendered chat prompt", add_special_tokens=False)
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
