@@ -185,3 +185,19 @@ def test_not_ready_is_503(qwen3_dir):
             == 503
     finally:
         s.close()
+
+
+def test_lm_eval_remote_tokenizer(qwen3, gemma2):
+    """lm-evaluation-harness's own client (lm_eval.utils, 0.4.13) in remote-tokenizer mode."""
+    le = pytest.importorskip("lm_eval.utils")
+    for s, ref in (qwen3, gemma2):
+        base = s.url + "/v1/completions"
+        assert le.check_remote_tokenizer_support(base, auth_token=TOKEN)
+        rt = le.RemoteTokenizer(base, auth_token=TOKEN)
+        text = "The capital of France is Paris. 日本"
+        assert rt.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+        assert rt.decode(rt.encode(text)) == text
+        assert rt.eos_token_id == ref.eos_token_id
+        assert rt.bos_token_id == ref.bos_token_id
+    assert not le.check_remote_tokenizer_support(qwen3[0].url + "/v1/completions",
+                                                 auth_token="wrong", max_retries=1)
