@@ -79,7 +79,7 @@ def test_any_logits_give_valid_output_qwen3(qwen3_dir, qwen3_guide, kind, greedy
     model = RandomModel(tj, qwen3_guide.vocab_size, qwen3_guide.eos_ids, seed=7)
     text, ids, _ = generate(qwen3_guide, SPECS[kind](), model, greedy, fast_forward=True)
     _check(kind, text)
-    assert max(ids) < 151669 or ids[-1] in qwen3_guide.eos_ids  # never a padding id
+    assert max(ids) < 151669  # never one of the model's padding ids (151,669-151,935)
 
 
 def test_fast_forward_forces_the_only_choice(bpe, bpe_guide):

@@ -48,9 +48,11 @@ def call_deltas(i, name, args):
 
 EXPECTED = {
     "hermes-two": (H, HERMES_TWO,
-                   [{"content": "Let me check.\n"}] + call_deltas(0, "get_weather", '{"city": "Paris"}')
+                   [{"content": "Let me check.\n"}]
+                   + call_deltas(0, "get_weather", '{"city": "Paris"}')
                    + call_deltas(1, "add", '{"a": 1}'), 2),
-    "hermes-text": (H, "a < b and <tool is not a call", [{"content": "a < b and <tool is not a call"}], 0),
+    "hermes-text": (H, "a < b and <tool is not a call",
+                    [{"content": "a < b and <tool is not a call"}], 0),
     "hermes-malformed": (H, 'x <tool_call>{"name": 1}</tool_call> y',
                          [{"content": 'x <tool_call>{"name": 1}</tool_call> y'}], 0),
     "hermes-unterminated": (H, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}',
@@ -59,7 +61,7 @@ EXPECTED = {
                   '{"name": "f", "parameters": {}}',
                call_deltas(0, "add", '{"a": 1}') + call_deltas(1, "f", "{}"), 2),
     "llama3-text": (L, "  Paris is the capital.", [{"content": "  Paris is the capital."}], 0),
-    "llama3-malformed": (L, '{"name": "add", "parameters": {"a": 1', 
+    "llama3-malformed": (L, '{"name": "add", "parameters": {"a": 1',
                          [{"content": '{"name": "add", "parameters": {"a": 1'}], 0),
     "mistral": (M, 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]',
                 [{"content": "Sure."}] + call_deltas(0, "add", '{"a": 1}'), 1),

@@ -152,7 +152,8 @@ L = ToolFormat.LLAMA3_JSON
 M = ToolFormat.MISTRAL
 W = {"id": "call_0", "type": "function",
      "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}
-A = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+A = {"id": "call_1", "type": "function",
+     "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
 A0 = {**A, "id": "call_0"}
 
 
@@ -177,7 +178,7 @@ A0 = {**A, "id": "call_0"}
     (M, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}, '
         '{"name": "add", "arguments": {"a": 1, "b": 2}}]', None, [W, A]),
     (M, 'Sure. [TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}', "Sure.", [A0]),
-    (M, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}', 
+    (M, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}',
      '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}', []),
     (M, 'plain answer', 'plain answer', []),
 ])
@@ -186,6 +187,7 @@ def test_parse_exact(fmt, text, content, calls):
 
 
 def test_parse_keeps_unicode_and_nested_arguments():
-    text = '<tool_call>\n{"name": "f", "arguments": {"q": "日本 \\"x\\"", "o": {"k": [1, null]}}}\n</tool_call>'
+    text = ('<tool_call>\n{"name": "f", "arguments": {"q": "日本 \\"x\\"", '
+            '"o": {"k": [1, null]}}}\n</tool_call>')
     _, calls = parse_tool_calls(text, H, ids())
     assert calls[0]["function"]["arguments"] == '{"q": "日本 \\"x\\"", "o": {"k": [1, null]}}'
