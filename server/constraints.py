@@ -205,9 +205,10 @@ class Constraint:
         lln.fill_next_token_bitmask(self.matcher, row, 0)
 
     def apply(self, logits_row: np.ndarray) -> None:
-        """Disallowed tokens' logits -> -inf, in place (one row, float32/float16)."""
+        """Disallowed tokens' logits -> -inf, in place (one row, float32/float16; a strided
+        view of a batch's logits is fine)."""
         self.fill(self._mask)
-        apply_bitmask(logits_row.reshape(1, -1), self._mask)
+        apply_bitmask(logits_row, self._mask[0])
 
     def allowed(self) -> np.ndarray:
         """The allowed tokens as a bool vector of the model's vocabulary (for tests, logprobs)."""
@@ -241,15 +242,17 @@ class Constraint:
 
 
 def unpack_bitmask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """(rows, words) int32 -> (rows, vocab_size) bool."""
+    """([rows,] words) int32 -> ([rows,] vocab_size) bool."""
     bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=-1, bitorder="little")
-    return bits[:, :vocab_size].astype(bool)
+    return bits[..., :vocab_size].astype(bool)
 
 
 def apply_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
-    """logits (rows, vocab) in place: tokens whose bit is 0 -> -inf. np.unpackbits + putmask,
+    """logits ([rows,] vocab) in place: tokens whose bit is 0 -> -inf. np.unpackbits + copyto,
     per row at Qwen3's 151,936 on a loaded 2-core machine: 1.3 ms with a random half-open mask
     (llguidance.numpy's repeat/tile kernel: 5.8 ms), 0.2-0.6 ms when few or most tokens are
     allowed (0.3-0.8 ms); 8-25 us at 4k-32k."""
+    if logits.ndim != mask.ndim:
+        raise ValueError(f"logits {logits.shape} and mask {mask.shape}: both rows or both batches")
     allowed = unpack_bitmask(mask, logits.shape[-1])
-    np.putmask(logits, ~allowed, -np.inf)
+    np.copyto(logits, -np.inf, where=~allowed)  # in place, strided views included

@@ -140,6 +140,20 @@ def test_model_vocab_above_the_tokenizers_is_never_allowed(bpe):
     assert np.isneginf(logits[bpe.vocab_size:]).all()
 
 
+def test_apply_masks_a_strided_row_in_place(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.regex("[0-9]+"))
+    batch = np.asfortranarray(np.zeros((3, bpe.vocab_size), np.float32))
+    row = batch[1]  # not contiguous in a Fortran-ordered batch
+    assert not row.flags["C_CONTIGUOUS"]
+    c.apply(row)
+    allowed = np.isfinite(batch[1])
+    np.testing.assert_array_equal(allowed, c.allowed())
+    assert allowed[bpe.token_to_id("7")] and not allowed[bpe.token_to_id("x")]
+    assert np.isfinite(batch[[0, 2]]).all()
+    with pytest.raises(ValueError, match="both rows or both batches"):
+        apply_bitmask(batch, np.zeros(40, np.int32))
+
+
 def test_apply_bitmask_rows_and_float16():
     mask = np.array([[0b101, 0], [-1, 1]], dtype=np.int32)  # 64 bits, vocab 40
     logits = np.zeros((2, 40), np.float16)
@@ -185,3 +199,18 @@ def test_spec_equality_and_choice_list_normalised():
     assert ConstraintSpec.json_schema('{"type": "integer"}').kind == "json_schema"
     with pytest.raises(ValueError, match="end token"):
         GuideTokenizer('{"model": {}}', 10, [])
+
+
+def test_components_import_neither_torch_nor_transformers():
+    """The server install is torch-free: the structured-output components stay so."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvserve.server.constraints, kvserve.server.constraint_masks\n"
+            "import kvserve.server.tool_calls, kvserve.server.tool_call_stream\n"
+            "import kvserve.server.http_tokenize, kvserve.server.prompts\n"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]
