@@ -20,9 +20,13 @@ import asyncio
 import json
 from typing import Any, Callable
 
+from pathlib import Path
+
 from aiohttp import web
 
-from .chat_template import SPECIAL_TOKENS
+from kvserve.artifact.manifest import TOKENIZER_CONFIG
+
+from .chat_template import MAX_TEMPLATE_FILE_BYTES, SPECIAL_TOKENS
 from .domain import ServingError
 from .openai_requests import ApiError, bad, chat_messages, from_serving_error, parse_json
 
@@ -32,6 +36,19 @@ TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_
 DETOKENIZE_FIELDS = {"model", "tokens"}
 INFO_KEYS = ("tokenizer_class", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
              "model_max_length", "padding_side", "truncation_side", "split_special_tokens")
+
+
+def read_tokenizer_config(artifact_dir: str | Path) -> dict:
+    """The artifact's tokenizer_config.json as a dict ({} when absent, too big or broken:
+    the chat template's loader reports those)."""
+    path = Path(artifact_dir) / TOKENIZER_CONFIG
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_TEMPLATE_FILE_BYTES:
+            return {}
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def tokenizer_info(tokenizer_config: dict, tokenizer, max_model_len: int,

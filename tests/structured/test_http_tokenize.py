@@ -201,3 +201,21 @@ def test_lm_eval_remote_tokenizer(qwen3, gemma2):
         assert rt.bos_token_id == ref.bos_token_id
     assert not le.check_remote_tokenizer_support(qwen3[0].url + "/v1/completions",
                                                  auth_token="wrong", max_retries=1)
+
+
+def test_read_tokenizer_config(tmp_path, qwen3_dir):
+    from kvserve.server.http_tokenize import read_tokenizer_config
+
+    assert read_tokenizer_config(qwen3_dir)["eos_token"] == "<|im_end|>"
+    assert read_tokenizer_config(tmp_path) == {}
+    (tmp_path / "tokenizer_config.json").write_text("[1, 2]")
+    assert read_tokenizer_config(tmp_path) == {}
+    (tmp_path / "tokenizer_config.json").write_text("{broken")
+    assert read_tokenizer_config(tmp_path) == {}
+
+
+def test_tokenizer_info_without_an_eos_in_the_config(bpe):
+    info = tokenizer_info({}, bpe, 128, eos_token_id=bpe.eos_id)
+    assert info == {"eos_token": "<|endoftext|>", "eos_token_id": bpe.eos_id,
+                    "model_max_length": 128, "tokenizer_class": "PreTrainedTokenizerFast"}
+    assert tokenizer_info({}, bpe, 128)["eos_token"] is None
