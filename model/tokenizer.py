@@ -98,11 +98,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens=True`` runs the tokenizer's post-processor (e.g. Llama's and
+        Gemma's BOS), as transformers' ``tokenizer(text)`` does; False (training, chat
+        renderings that write their own BOS) encodes the text alone."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    def encode_batch(self, texts: Sequence[str],
+                     add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts),
+                                                      add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
