@@ -20,6 +20,7 @@ import logging
 import math
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .common import add_connection_arguments, client_from_args, fail
@@ -63,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
                     help="stop token id (repeatable)")
     st.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
+    c = parser.add_argument_group("constrained output (at most one; the server enforces it)")
+    c.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output is JSON valid against this schema (a .json file)")
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", default=None, metavar="R", help="the output matches R")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is one of these (repeat the flag)")
+    c.add_argument("--grammar", default=None, metavar="FILE",
+                   help="the output follows this Lark grammar (llguidance's dialect)")
     o = parser.add_argument_group("output")
     o.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="show each chosen token's logprob and the N most likely alternatives "
@@ -106,6 +116,29 @@ def sampling(args: argparse.Namespace) -> tuple[dict, str]:
         line = (f"[sampling: {shown}, seed {seed} (--seed {seed} repeats this run; "
                 f"--greedy for the most likely tokens)]")
     return {**chosen, "seed": seed}, line
+
+
+def constraint_options(args: argparse.Namespace) -> dict:
+    """The constraint flags as request options (files read here; ValueError: more than one,
+    or a file that cannot be read)."""
+    given = [f for f, v in (("--json-schema", args.json_schema), ("--json-object",
+                            args.json_object or None), ("--regex", args.regex),
+                            ("--choice", args.choice), ("--grammar", args.grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"one constraint at most: {', '.join(given)}")
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read {path}: {e.strerror if isinstance(e, OSError) else e}")
+    if args.json_schema is not None:
+        return {"json_schema": read(args.json_schema)}
+    if args.grammar is not None:
+        return {"grammar": read(args.grammar)}
+    return {k: v for k, v in (("json_object", args.json_object), ("regex", args.regex),
+                              ("choice", args.choice)) if v}
 
 
 def _request_options(args: argparse.Namespace) -> dict:
@@ -180,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
             return fail("generate", e, args.server)
     try:
         picked, sampling_line = sampling(args)
+        picked.update(constraint_options(args))
     except ValueError as e:
         return fail("generate", e)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt

@@ -11,6 +11,8 @@ tokens (a 1-token sequence: sum 0, mean 0, perplexity 1).
 """
 from __future__ import annotations
 
+import json
+
 import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence, Union
@@ -26,6 +28,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_CANCELLED: "cancelled",
     pb.FINISH_REASON_TIME_LIMIT: "time_limit",
     pb.FINISH_REASON_ERROR: "error",
+    pb.FINISH_REASON_CONSTRAINT: "constraint",
 }
 
 
@@ -211,12 +214,17 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
                      ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                      return_logits: bool = False, attention_layers: Sequence[int] = (),
                      attention_heads: Sequence[int] = (), request_id: str = "",
-                     coalesce: bool = True) -> pb.GenerateRequest:
+                     coalesce: bool = True, json_schema: dict | str | None = None,
+                     json_object: bool = False, regex: str | None = None,
+                     choice: Sequence[str] | None = None,
+                     grammar: str | None = None) -> pb.GenerateRequest:
     """Build a ``GenerateRequest``. ``prompt``: text, token ids, or chat messages (dicts with
     ``role`` and ``content``, rendered by the server with the model's chat template). ``None``
     leaves an optional field unset (the server's default); ``max_new_tokens=0`` is the server
     default. ``coalesce``: tokens ready together may share one message (the client unpacks
-    them; an older server ignores it)."""
+    them; an older server ignores it). At most one constraint: ``json_schema`` (a dict or its
+    JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings) or ``grammar``
+    (Lark): the output then validates against it."""
     s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty)
@@ -237,6 +245,7 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
                                                                   heads=list(attention_heads)),
                                     coalesce=coalesce),
         request_id=request_id)
+    _structured(r.structured, json_schema, json_object, regex, choice, grammar)
     if isinstance(prompt, str):
         r.text = prompt
     elif prompt and isinstance(prompt[0], dict):  # chat messages: [{"role", "content"}, ...]
@@ -245,6 +254,25 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
     else:
         r.token_ids.ids.extend(int(i) for i in prompt)
     return r
+
+
+def _structured(m: pb.Structured, json_schema, json_object: bool, regex, choice,
+                grammar) -> None:
+    given = [k for k, v in (("json_schema", json_schema), ("json_object", json_object or None),
+                            ("regex", regex), ("choice", choice), ("grammar", grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"one constraint at most, got {', '.join(given)}")
+    if json_schema is not None:
+        m.json_schema = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+    elif json_object:
+        m.json_object = True
+    elif regex is not None:
+        m.regex = regex
+    elif choice is not None:
+        m.choice.choices.extend(choice)
+    elif grammar is not None:
+        m.grammar = grammar
 
 
 def score_request(texts: Sequence[str] | None = None,

@@ -29,6 +29,7 @@ from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine
+from .guides import Guides
 from .interfaces import NullMetrics
 from .metrics import Metrics, MetricsServer
 from .prompts import Prompts
@@ -128,6 +129,8 @@ class App:
             template_error = "this model's chat template is unusable (see the server log)"
         self.prompts = Prompts(self.tokenizer, self.limits, template, template_error)
         self.eos_ids = self._eos_ids(eos, template)
+        self.guides = Guides(self.tokenizer.to_str() if self.tokenizer is not None else None,
+                             mcfg.vocab_size, sorted(self.eos_ids))
         self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
                              max_queue=self.cfg.max_queue,
                              score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
@@ -205,7 +208,8 @@ class App:
                                   interceptors=interceptors, options=options,
                                   maximum_concurrent_rpcs=c.concurrent_rpcs)
         self.servicer = InferenceServicer(self.engine, self.tokenizer, self.token_bytes,
-                                          self.limits, self.state, self.metrics, self.prompts)
+                                          self.limits, self.state, self.metrics, self.prompts,
+                                          self.guides)
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -35,6 +35,11 @@ MAX_REGEX_CHARS = 4096
 MAX_GRAMMAR_CHARS = 64 * 1024  # a Lark grammar
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096        # one choice
+MAX_CHOICES_CHARS = 64 * 1024  # all choices together
+# JSON without free whitespace between tokens (", " and ": " separators): a weak or random
+# model otherwise fills max_new_tokens with newlines inside a valid document (vLLM's
+# --disable-any-whitespace). A schema's own "x-guidance" settings win.
+JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_ERROR_CHARS = 300          # llguidance's messages quote the grammar: the first line, bounded
 
 
@@ -115,9 +120,10 @@ def _to_grammar(kind: str, value, name: str) -> str:
         if len(text) > MAX_SCHEMA_CHARS:
             raise InvalidArgument(f"{name}: the schema has {len(text)} characters; the limit "
                                   f"is {MAX_SCHEMA_CHARS}")
-        return llg.LLMatcher.grammar_from_json_schema(text)
+        return llg.LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
     if kind == "json_object":
-        return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                      defaults=JSON_DEFAULTS)
     if kind == "regex":
         _check_str(name, value, MAX_REGEX_CHARS, "pattern")
         return llg.LLMatcher.grammar_from_regex(value)
@@ -149,6 +155,10 @@ def _choice_grammar(choices, name: str) -> str:
         if len(c) > MAX_CHOICE_CHARS:
             raise InvalidArgument(f"{name}[{i}] has {len(c)} characters; the limit is "
                                   f"{MAX_CHOICE_CHARS}")
+    total = sum(len(c) for c in choices)
+    if total > MAX_CHOICES_CHARS:
+        raise InvalidArgument(f"{name} has {total} characters in all; the limit is "
+                              f"{MAX_CHOICES_CHARS}")
     # Lark string literals take JSON's escapes: json.dumps quotes any text exactly.
     lits = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
     return llg.LLMatcher.grammar_from_lark(f"start: {lits}")

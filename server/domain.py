@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,6 +50,7 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     TIME_LIMIT = "time_limit"
     ERROR = "error"
+    CONSTRAINT = "constraint"  # the output is complete for its grammar (nothing may follow)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class GenerateRequest:
     # the tokens an earlier call of this request delivered: it continues after them
     # (server.resume)
     resume: tuple[int, ...] = ()
+    # a constraints.Constraint: the sequence's own grammar matcher (None: unconstrained)
+    constraint: Any = None
 
 
 @dataclass

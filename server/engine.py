@@ -307,10 +307,11 @@ class Engine:
             seq.rng = make_rng(req.sampling.seed) if not req.sampling.greedy else None
             seq.detok = IncrementalDetokenizer(self.token_bytes)
             seq.stopper = StopMatcher(req.stopping.stop)
-            seq.argmax_from = argmax_from(req.sampling, req.stopping, self.eos_ids)
+            constrained = req.constraint is not None
+            seq.argmax_from = argmax_from(req.sampling, req.stopping, self.eos_ids, constrained)
             seq.staged = bool(self.stream_interval) and isinstance(seq.handle.events, StagedSink)
             seq.quiet = quiet_rule(req.sampling, req.stopping, req.output, self.eos_ids,
-                                   seq.staged)
+                                   seq.staged, constrained)
             if req.resume and resume.restore(seq, self.eos_ids, self.output):
                 continue  # the delivered tokens had ended it: its Complete was all that was left
             (attn if seq.wants_attention else plain).append(seq)

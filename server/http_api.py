@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
            FinishReason.STOP_SEQUENCE: "stop", FinishReason.STOP_TOKEN: "stop",
-           FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "stop"}
+           FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "stop",
+           FinishReason.CONSTRAINT: "stop"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
 

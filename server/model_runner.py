@@ -17,7 +17,7 @@ import numpy as np
 
 from .interfaces import EngineMetrics, Runner
 from .output import OutputProcessor
-from .sampler import sample_row
+from .sampler import masked, sample_row
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_verify import accepted_count, verify_row
@@ -224,6 +224,7 @@ class ModelRunner:
                 return tok
             self.output.accept(seq, tok, row, None)
             return tok
+        row = masked(row, seq.req)
         tok = sample_row(row, seq.req, seq.generated, seq.rng, self.output.eos_ids)
         self.output.accept(seq, tok, row, None)
         return tok
@@ -233,5 +234,6 @@ class ModelRunner:
         """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
         by the batch's greedy argmax) and hand it to the output processor."""
         if tok is None:
+            raw = masked(raw, seq.req)
             tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.output.eos_ids)
         self.output.accept(seq, tok, raw, attention)

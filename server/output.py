@@ -74,7 +74,11 @@ class OutputProcessor:
         k = len(seq.generated)
         seq.generated.append(tok)
         seq.feed = tok
-        stop = check_stop(tok, k, req.stopping, self.eos_ids, seq.detok, seq.stopper)
+        complete = False
+        if req.constraint is not None:
+            req.constraint.consume(tok)
+            complete = req.constraint.done
+        stop = check_stop(tok, k, req.stopping, self.eos_ids, seq.detok, seq.stopper, complete)
         self._emit(seq, token_event(k, tok, raw, attention, stop, req.output))
         if stop.finish is not None:
             self.finish(seq, stop.finish, stop_sequence=stop.stop_sequence,

@@ -73,6 +73,8 @@ def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
     req = seq.req
     done, stop = _replay(req.resume, req.stopping, eos_ids, seq.detok, seq.stopper, seq.text)
     seq.generated.extend(req.resume[:done])
+    if req.constraint is not None:  # its matcher where the delivered tokens left it
+        req.constraint.consume_tokens(req.resume[:done])
     seq.first_index = done
     seq.prefill_ids = [*req.prompt_ids, *seq.generated]
     if seq.rng is not None:  # one draw per sampled step (model.sampling)

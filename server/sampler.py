@@ -21,6 +21,16 @@ NEG_INF = np.float32(-np.inf)
 _NO_TOKENS = np.zeros(0, np.int64)
 
 
+def masked(raw: np.ndarray, req: GenerateRequest) -> np.ndarray:
+    """``raw`` with what the request's constraint does not allow at -inf (a copy; ``raw``
+    itself when unconstrained). Logprobs of a constrained request are of this distribution."""
+    if req.constraint is None:
+        return raw
+    x = raw.copy()
+    req.constraint.apply(x)
+    return x
+
+
 def sample_row(raw: np.ndarray, req: GenerateRequest, generated: list[int],
                rng: np.random.Generator | None, eos_ids: frozenset[int]) -> int:
     """The token chosen from ``raw`` (V,) after ``generated`` (the request's tokens so far).
@@ -30,6 +40,8 @@ def sample_row(raw: np.ndarray, req: GenerateRequest, generated: list[int],
     if banned:
         x = raw.copy()
         x[banned] = NEG_INF
+        if req.constraint is not None and not np.isfinite(x).any():
+            x = raw  # the constraint allows only an end token here: the constraint wins
     p: SamplingParams = req.sampling
     if p.has_penalties:  # the token arrays are built only when used
         gen = np.asarray(generated, np.int64)

@@ -19,6 +19,8 @@ from . import validation as V
 from .domain import (FailedPrecondition, FinishEvent, FinishReason, GenerateRequest,
                      InvalidArgument, QueueFull, ServingError, TokenEvent, Unavailable,
                      Unimplemented)
+from .constraints import ConstraintSpec
+from .guides import Guides
 from .prompts import Prompts
 from .state import ServingState
 
@@ -39,6 +41,7 @@ _FINISH = {
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
     FinishReason.TIME_LIMIT: pb.FINISH_REASON_TIME_LIMIT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.CONSTRAINT: pb.FINISH_REASON_CONSTRAINT,
 }
 
 _STATUS = {
@@ -50,16 +53,38 @@ _STATUS = {
 }
 
 
+def structured_spec(m: pb.Structured) -> ConstraintSpec:
+    """``GenerateRequest.structured`` -> a checked ``ConstraintSpec`` (errors name the field)."""
+    which = m.WhichOneof("kind")
+    field = f"structured.{which}"
+    if which == "json_schema":
+        return ConstraintSpec.json_schema(m.json_schema, field)
+    if which == "json_object":
+        if not m.json_object:
+            raise InvalidArgument("structured.json_object must be true (or leave structured "
+                                  "unset)", field=field)
+        return ConstraintSpec.json_object(field)
+    if which == "regex":
+        return ConstraintSpec.regex(m.regex, field)
+    if which == "choice":
+        return ConstraintSpec.choice(list(m.choice.choices), field)
+    if which == "grammar":
+        return ConstraintSpec.lark(m.grammar, field)
+    raise InvalidArgument("structured is set but empty: set one of json_schema, json_object, "
+                          "regex, choice, grammar", field="structured")
+
+
 def _abort(context: grpc.ServicerContext, e: ServingError):
     context.abort(_STATUS.get(type(e), grpc.StatusCode.INTERNAL), str(e))
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, engine, tokenizer, token_bytes, limits: V.Limits, state: ServingState,
-                 metrics=None, prompts: Prompts | None = None):
+                 metrics=None, prompts: Prompts | None = None, guides: Guides | None = None):
         self.engine, self.tok, self.tb = engine, tokenizer, token_bytes
         self.lim, self.state, self.metrics = limits, state, metrics
         self.prompts = prompts or Prompts(tokenizer, limits)
+        self.guides = guides or Guides(None, limits.vocab_size, ())
 
     # --- helpers -------------------------------------------------------------------------------
     def _gate(self) -> None:
@@ -113,9 +138,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  attention_available=self.engine.lm.has_attention, lim=self.lim)
         delivered = V.check_ids("resume.token_ids", r.resume.token_ids, self.lim,
                                 max_len=stopping.max_new_tokens)
+        spec = structured_spec(r.structured) if r.HasField("structured") else None
         req = GenerateRequest(ids, sampling, stopping, output,
                               request_id=V.check_request_id(r.request_id),
-                              deadline=self._deadline(context), resume=tuple(delivered))
+                              deadline=self._deadline(context), resume=tuple(delivered),
+                              constraint=self.guides.constraint(spec))
         resume.check(req, self.tb, self.engine.eos_ids)
         return req
 

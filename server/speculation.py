@@ -87,7 +87,7 @@ class Speculator:
         return not seq.forced and not seq.wants_attention
 
     def admit(self, seq: Sequence) -> None:
-        if self.eligible(seq):
+        if self.eligible(seq) and seq.req.constraint is None:  # (a grammar's mask: one a step)
             seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:

@@ -35,9 +35,12 @@ class StopCheck:
 
 
 def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int],
-               detok: IncrementalDetokenizer, stopper: StopMatcher) -> StopCheck:
+               detok: IncrementalDetokenizer, stopper: StopMatcher,
+               complete: bool = False) -> StopCheck:
     """``tok`` was chosen as generated token number ``generated`` + 1 (so ``generated`` were
-    before it). Pushes its text through the detokenizer and the stop matcher."""
+    before it). Pushes its text through the detokenizer and the stop matcher. ``complete``:
+    the sequence's constraint can take nothing after ``tok`` (it ends, unless an eos or stop
+    ended it first)."""
     armed = generated >= st.min_new_tokens
     if armed and tok in eos_ids and not st.ignore_eos:
         r = StopCheck("", FinishReason.EOS_TOKEN, special=True)
@@ -48,6 +51,8 @@ def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int]
         r = StopCheck(m.text)
         if m.stop is not None:
             r.finish, r.stop_sequence = FinishReason.STOP_SEQUENCE, m.stop
+    if r.finish is None and complete:
+        r.finish = FinishReason.CONSTRAINT
     if r.finish is None and generated + 1 >= st.max_new_tokens:
         r.finish = FinishReason.LENGTH
     if r.finish is not None and r.finish is not FinishReason.STOP_SEQUENCE:
@@ -61,11 +66,13 @@ def check_stop(tok: int, generated: int, st: StopParams, eos_ids: frozenset[int]
     return r
 
 
-def argmax_from(p: SamplingParams, st: StopParams, eos_ids: frozenset[int]) -> int | None:
+def argmax_from(p: SamplingParams, st: StopParams, eos_ids: frozenset[int],
+                constrained: bool = False) -> int | None:
     """The generated-token index from which a plain argmax of the row is the token
-    ``next_token`` would pick: greedy without penalties, once no id is banned any more (stop
-    ids and eos are banned before ``min_new_tokens``, see ``banned_ids``). None: never."""
-    if not p.greedy or p.has_penalties:
+    ``next_token`` would pick: greedy without penalties or a constraint's mask, once no id is
+    banned any more (stop ids and eos are banned before ``min_new_tokens``, see
+    ``banned_ids``). None: never."""
+    if not p.greedy or p.has_penalties or constrained:
         return None
     banned = st.stop_token_ids or (eos_ids and not st.ignore_eos)
     return st.min_new_tokens if banned else 0
@@ -87,11 +94,11 @@ class QuietRule:
 
 
 def quiet_rule(p: SamplingParams, st: StopParams, out: OutputParams, eos_ids: frozenset[int],
-               staged: bool) -> QuietRule | None:
+               staged: bool, constrained: bool = False) -> QuietRule | None:
     """The sequence's ``QuietRule``, or None where every token needs its text and event at
     once: not a plain argmax (``argmax_from``), a caller woken per token, stop strings (their
     matching needs each token's text) or per-token outputs. The first token is never quiet."""
-    first = argmax_from(p, st, eos_ids)
+    first = argmax_from(p, st, eos_ids, constrained)
     if first is None or not staged or any(st.stop) or out.logprobs or out.top_logprobs \
             or out.return_logits or out.attention:
         return None

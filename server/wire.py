@@ -31,6 +31,8 @@ from google.protobuf.message import DecodeError
 
 from kvserve.v1 import inference_pb2 as pb
 
+from .constraints import (MAX_CHOICES, MAX_CHOICES_CHARS, MAX_GRAMMAR_CHARS,
+                          MAX_SCHEMA_CHARS)
 from .servicer import MAX_TOKENIZE_TEXTS
 from .validation import MAX_REQUEST_ID_CHARS, detokenize_ids, score_chars, tokenize_chars
 
@@ -63,7 +65,11 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
     and the caps of its repeated fields. ``cfg`` is the ServerConfig, ``lim`` the Limits."""
     stops = cfg.max_stop_strings * (cfg.max_stop_string_chars * UTF8_MAX + ENTRY)
     resumed = min(cfg.max_new_tokens, lim.max_context)  # Resume.token_ids
+    # GenerateRequest.structured: one schema, regex, grammar or list of choices
+    structured = max(MAX_SCHEMA_CHARS, MAX_GRAMMAR_CHARS, MAX_CHOICES_CHARS) * UTF8_MAX \
+        + MAX_CHOICES * ENTRY
     generate = (max(cfg.max_prompt_chars * UTF8_MAX, lim.max_context * ID_MAX) + stops
+                + structured
                 + (cfg.max_stop_token_ids + lim.n_layers + lim.n_heads + resumed) * ID_MAX)
     score = max(score_chars(cfg) * UTF8_MAX, cfg.max_score_tokens * ID_MAX) \
         + cfg.max_score_sequences * ENTRY
@@ -78,7 +84,8 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
             "stopping.stop_token_ids": (cfg.max_stop_token_ids, "stop token ids"),
             "response.attention.layers": (lim.n_layers, "attention layers"),
             "response.attention.heads": (lim.n_heads, "attention heads"),
-            "resume.token_ids": (resumed, "resumed tokens")}),
+            "resume.token_ids": (resumed, "resumed tokens"),
+            "structured.choice.choices": (MAX_CHOICES, "choices")}),
         "Score": MethodLimit(base + score, {
             "texts": (cfg.max_score_sequences, "sequences"),
             "texts.chars": (score_chars(cfg), "characters in all"),
