@@ -231,7 +231,9 @@ class Trainer:
         cache = Path(h.cache_dir) if h.cache_dir else self.out.parent / ".kvserve-cache"
         fp = D.fingerprint(files, h.text_field, h.val_fraction)
         vocab = h.vocab_size or PRESETS[h.preset]["vocab_size"]
-        tok_path = (self.out / TOKENIZER) if self.resume else cache / f"tok-{fp}-{vocab}.json"
+        # v2: the trained vocabulary reserves ChatML's special tokens (older caches lack them)
+        tok_path = (self.out / TOKENIZER) if self.resume \
+            else cache / f"tok-v2-{fp}-{vocab}.json"
         tok_json = None
         if d.main:
             try:
