@@ -27,7 +27,7 @@ from kvserve.model.config import ModelConfig
 
 from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
 from .providers import device_of
-from .spec import fused_spec_from
+from .spec import INPUT_IDS, QUERY_SEQLENS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, fused_spec_from
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +160,14 @@ class DeviceKV:
         """Empty ``slot`` (its rows are refilled from row 0)."""
         self.used[slot] = 0
 
+    def truncate(self, slot: int, rows: int) -> None:
+        """Keep the first ``rows`` rows of ``slot`` (rejected draft rows of a verification).
+        Nothing is erased: GroupQueryAttention reads a slot's rows [0, seqlens_k] only, and the
+        next call writes its new rows from ``used``, over the dropped ones."""
+        if not 0 <= rows <= self.used[slot]:
+            raise ValueError(f"truncate slot {slot} to {rows} rows: it has {self.used[slot]}")
+        self.used[slot] = rows
+
     def move(self, src: int, dst: int) -> None:
         """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
         if src == dst:
@@ -203,8 +211,8 @@ class _Bound:
         self.seqlens = np.zeros(n, np.int32)
         self.qlens = np.zeros(n, np.int32)
         self.total = np.zeros((), np.int32)
-        arrays = {"input_ids": self.ids, "seqlens_k": self.seqlens,
-                  "query_seqlens": self.qlens, "total_sequence_length": self.total}
+        arrays = {INPUT_IDS: self.ids, SEQLENS_K: self.seqlens, QUERY_SEQLENS: self.qlens,
+                  TOTAL_SEQUENCE_LENGTH: self.total}
         R = S
         self.rows: np.ndarray | None = None
         if spec.logits_rows:
@@ -270,6 +278,9 @@ class FusedLM(ArtifactRunner):
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
         self._bound: dict[tuple, _Bound] = {}  # decode steps': (attention, n, generation)
+        self._verify_bound: dict[tuple, _Bound] = {}  # verifications': (n, S, generation)
+
+    supports_verify = True  # ``verify``: one call of the graph, whatever the draft lengths
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
@@ -402,6 +413,46 @@ class FusedLM(ArtifactRunner):
             a = bound.attentions()  # L x (n, H, 1, total)
             attn = [np.stack([x[b, :, 0, :kv.used[b]] for x in a]) for b in range(n)]
         return bound.logits[:, 0], attn
+
+    def verify(self, kv: DeviceKV, n: int, rows: list) -> np.ndarray:
+        """Speculative verification for slots [0, n) in ONE run of the graph: row b feeds its
+        tokens ``rows[b]`` (its last sampled token, then its draft: 1 + K_b tokens, K_b may be
+        0 and differ per row) after the slot's rows so far. Returns logits (n, S, V),
+        S = the longest row: [b, j] predicts the token after rows[b][j]; [b, j >= len(rows[b])]
+        is padding (garbage). A view into a reused buffer: copy what you keep.
+
+        ``kv.used[b]`` advances by ``len(rows[b])``; keep the accepted rows with
+        ``kv.truncate(b, rows_before + accepted + 1)``. The padded positions' K/V rows land
+        beyond each slot's ``used`` (never read; overwritten by the next call)."""
+        lens = [len(r) for r in rows]
+        if len(rows) != n or not all(lens):
+            raise ValueError("verify needs one non-empty row per slot")
+        S = max(lens)
+        used = kv.used[:n]
+        if any(u + m > self.cfg.max_seq_len for u, m in zip(used.tolist(), lens)):
+            raise ValueError(f"a verification row would pass the model's context of "
+                             f"{self.cfg.max_seq_len} tokens (cap the draft)")
+        top = int(used.max()) + S
+        if top > kv.capacity:
+            kv.ensure_capacity(top)
+        key = (n, S, kv.generation)
+        bound = self._verify_bound.get(key)
+        if bound is None:
+            self._verify_bound = {k: v for k, v in self._verify_bound.items()
+                                  if k[2] == kv.generation}
+            bound = self._verify_bound[key] = _Bound(self, self.session(False), kv, 0, n, S,
+                                                     False, False)
+        ids = bound.ids
+        ids.fill(0)
+        for b, r in enumerate(rows):
+            ids[b, :lens[b]] = r
+        bound.qlens[:] = lens
+        after = used + bound.qlens
+        np.subtract(after, 1, out=bound.seqlens, casting="unsafe")
+        bound.total[...] = after.max()
+        self._call(bound)
+        used[...] = after
+        return bound.logits
 
     def _step_binding(self, kv: DeviceKV, n: int, attention: bool) -> _Bound:
         """A decode step's binding over slots [0, n), kept for the next steps; those of older

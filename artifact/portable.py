@@ -109,6 +109,14 @@ class KVBuffers:
         self.mask[slot, :self.capacity] = 0
         self.used[slot] = 0
 
+    def truncate(self, slot: int, rows: int) -> None:
+        """Keep the first ``rows`` rows of ``slot`` (rejected draft rows): the mask drops the
+        others, so no later call attends to them; the next rows are written over them."""
+        if not 0 <= rows <= self.used[slot]:
+            raise ValueError(f"truncate slot {slot} to {rows} rows: it has {self.used[slot]}")
+        self.mask[slot, rows:self.capacity] = 0
+        self.used[slot] = rows
+
     def move(self, src: int, dst: int) -> None:
         """Slot ``src`` takes the place of ``dst`` (compaction when a sequence leaves)."""
         if src == dst:
@@ -280,6 +288,27 @@ class PortableLM(ArtifactRunner):
         kv.mask[slot, start:start + T] = 1
         kv.used[slot] = start + T
         return outs[0][0, T - 1:T] if last else outs[0][0, :T]  # (T, V)
+
+    @property
+    def supports_verify(self) -> bool:
+        """Speculative verification (``verify``): not for LongRoPE models (a verification's
+        rows could cross the factors' switch, which the engine handles before plain steps)."""
+        return self.cfg.longrope_limit is None
+
+    def verify(self, kv: KVBuffers, n: int, rows: list) -> np.ndarray:
+        """``FusedLM.verify``'s contract, one ``extend`` (one decode-graph run) per slot: the
+        portable decode graph takes one query length per call. So a verification costs n runs
+        over each slot's whole capacity, against one step's single run for the batch: it pays
+        at batch 1 when drafts are accepted, rarely in a batch (the engine's adaptive K)."""
+        if not self.supports_verify:
+            raise NotImplementedError("speculative verification is off for LongRoPE models")
+        lens = [len(r) for r in rows]
+        if len(rows) != n or not all(lens):
+            raise ValueError("verify needs one non-empty row per slot")
+        out = np.zeros((n, max(lens), self.cfg.vocab_size), np.float32)
+        for b, r in enumerate(rows):
+            out[b, :lens[b]] = self.extend(kv, b, r)
+        return out
 
     def _bind_inputs(self, b, kv: KVBuffers, n: int, ids, pos) -> None:
         b.bind_cpu_input("input_ids", ids)

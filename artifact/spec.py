@@ -22,7 +22,7 @@ from typing import Any
 
 from kvserve.model.config import ModelConfig
 
-OPSET = 23  # RMSNormalization is one op from 23 (onnxruntime >= 1.22)
+OPSET = 23  # RMSNormalization is one op from 23 (onnxruntime >= 1.22); both kinds of graph
 PRESENT_LAYOUT = "new_rows"  # present.* = K/V of this call's tokens only
 
 
@@ -87,6 +87,13 @@ def present_names(cfg: ModelConfig) -> list[str]:
 
 
 # --- the fused kind ----------------------------------------------------------------------------
+# the fused graph's small inputs (GroupQueryAttention's names), typed here only
+INPUT_IDS = "input_ids"  # (B, S) int64, right-padded
+SEQLENS_K = "seqlens_k"  # (B,) int32: tokens in the cache after this call - 1
+QUERY_SEQLENS = "query_seqlens"  # (B,) int32: valid tokens of this call
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # () int32: max over the batch of seqlens_k + 1
+LOGITS_ROWS = "logits_rows"  # (B, R) int64: the positions of each row that get logits
+
 FUSED = "fused"
 PORTABLE = "portable"
 KINDS = (FUSED, PORTABLE)
@@ -101,7 +108,7 @@ class FusedSpec:
     order): a prefill asks for its last row only, Score for all; None in artifacts exported
     before it existed (their logits are (B, S, V), every position)."""
     attention: bool = False
-    logits_rows: str | None = "logits_rows"
+    logits_rows: str | None = LOGITS_ROWS
     past_key: str = "past_key_values.%d.key"
     past_value: str = "past_key_values.%d.value"
     present_key: str = "present.%d.key"
@@ -139,10 +146,10 @@ class FusedSpec:
     def io_shapes(self, cfg: ModelConfig, kv_dtype: str = "float32") -> dict[str, dict]:
         kv = ["batch_size", cfg.n_kv_heads, "max_cache_length", cfg.head_dim]
         io: dict[str, dict] = {
-            "input_ids": {"dtype": "int64", "shape": ["batch_size", "sequence_length"]},
-            "seqlens_k": {"dtype": "int32", "shape": ["batch_size"]},
-            "query_seqlens": {"dtype": "int32", "shape": ["batch_size"]},
-            "total_sequence_length": {"dtype": "int32", "shape": []},
+            INPUT_IDS: {"dtype": "int64", "shape": ["batch_size", "sequence_length"]},
+            SEQLENS_K: {"dtype": "int32", "shape": ["batch_size"]},
+            QUERY_SEQLENS: {"dtype": "int32", "shape": ["batch_size"]},
+            TOTAL_SEQUENCE_LENGTH: {"dtype": "int32", "shape": []},
         }
         rows = "sequence_length"
         if self.logits_rows:
@@ -163,10 +170,10 @@ class FusedSpec:
 
 
 # inputs every fused call feeds (per step: a few ints per row); the rest are the KV buffers
-FUSED_SMALL_INPUTS = ("input_ids", "seqlens_k", "query_seqlens", "total_sequence_length")
+FUSED_SMALL_INPUTS = (INPUT_IDS, SEQLENS_K, QUERY_SEQLENS, TOTAL_SEQUENCE_LENGTH)
 # inputs that GroupQueryAttention reads on the host even on the CUDA provider: bound in CPU
 # memory there (binding them on the device would copy them to the host at bind time)
-FUSED_HOST_INPUTS = ("total_sequence_length",)
+FUSED_HOST_INPUTS = (TOTAL_SEQUENCE_LENGTH,)
 
 
 def runtime_section(kind: str, cfg: ModelConfig, graphs: dict[str, str],

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import logging
 import os
 import platform
 import shutil
@@ -48,12 +47,10 @@ import tempfile
 import time
 from pathlib import Path
 
-if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/profile.py would shadow the stdlib's `profile`
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from kvserve.bench.common import CACHE, RESULTS, cpu_model  # noqa: E402
+from kvserve.bench.common import CACHE, RESULTS, cpu_model
+from kvserve.export.logs import quiet_torch_exporter
 
 TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
 PLAIN, ASKED = "plain", "attention"
@@ -80,7 +77,7 @@ def build_artifact(workdir: Path, preset: str, threads: int, seed: int) -> Path:
     from kvserve.model.config import preset as make_preset
     from kvserve.model.transformer import Transformer
 
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     torch.manual_seed(seed)
     model = Transformer(make_preset(preset)).eval()
     ckpt = save_checkpoint(workdir / "ckpt", model)

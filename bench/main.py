@@ -304,7 +304,7 @@ def main(args: argparse.Namespace) -> int:
              "--update-committed writes them)")
     args.results = str(out)
     if args.profile:
-        from .profile import main as profile_main
+        from .loop_profile import main as profile_main
 
         return profile_main(args)
     if args.provider == "cuda":

@@ -5,53 +5,49 @@ Retries: only ``UNAVAILABLE`` (not ready, draining, unreachable) and ``RESOURCE_
 (over capacity) are retried, with exponential backoff and full jitter. Everything else
 (``INVALID_ARGUMENT``, ``UNAUTHENTICATED``, ``DEADLINE_EXCEEDED``, ...) is raised at once as a
 :class:`KvserveError`. A streaming Generate that was cut after tokens were delivered is resumed
-(``resume=True``, the default; ``clients/resume.py``, docs/failover.md): the next attempt
-carries the delivered tokens and the server continues exactly where the stream was cut, so
-the caller sees one stream (no index repeated or skipped); it is resumed on the retry codes
-and on a proxy's stream reset (INTERNAL "Stream removed"), and its attempts count from the
-last token delivered. An unseeded sampled request gets a seed chosen by the client so that it
-can be resumed. With ``resume=False`` a started stream's error is raised.
+(``resume=True``, the default; ``resume.py``, docs/failover.md): the next attempt carries the
+delivered tokens and the server continues exactly where the stream was cut, so the caller sees
+one stream (no index repeated or skipped); it is resumed on the retry codes and on a proxy's
+stream reset (INTERNAL "Stream removed"), and its attempts count from the last token
+delivered. An unseeded sampled request gets a seed chosen by the client so that it can be
+resumed. With ``resume=False`` a started stream's error is raised.
 
 Timeouts apply per attempt (each attempt gets the full ``timeout``); backoff sleeps are extra.
 
-Score semantics (the server's): a sequence of T tokens yields T-1 scored tokens; ``tokens[i]``
-is ``log p(token i+1 | tokens 0..i)``. The first token has no context and is not scored, and the
-server prepends no BOS. ``sum_logprob``/``mean_logprob``/``perplexity`` are over the T-1 scored
-tokens (a 1-token sequence: sum 0, mean 0, perplexity 1).
+Both classes build their requests and parse the replies with the same pure functions
+(``messages.py``, which also holds the result types and the Score semantics); each keeps only
+its transport.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator, Sequence, Union
+from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
+from . import messages as M
 from .resume import ResumeError, StreamResume
+# the result types and request builders, importable from here as before
+from .messages import (FINISH_REASONS, AttentionRow, Completion, GenerateEvent, ModelInfo,
+                       ScoredToken, ScoreResult, Timings, TokenEvent, TopLogprob,
+                       corpus_perplexity, generate_request, score_request)
+
+__all__ = ["AsyncClient", "AttemptHook", "AttentionRow", "Client", "Completion",
+           "FINISH_REASONS", "GenerateEvent", "KvserveError", "ModelInfo", "NO_RETRY",
+           "RETRYABLE", "RetryPolicy", "ScoredToken", "ScoreResult", "Timings", "TokenEvent",
+           "TopLogprob", "corpus_perplexity", "generate_request", "score_request"]
 
 log = logging.getLogger(__name__)
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
-
-FINISH_REASONS = {
-    pb.FINISH_REASON_UNSPECIFIED: "unspecified",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
-    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
-    pb.FINISH_REASON_STOP_TOKEN: "stop_token",
-    pb.FINISH_REASON_CANCELLED: "cancelled",
-    pb.FINISH_REASON_TIME_LIMIT: "time_limit",
-    pb.FINISH_REASON_ERROR: "error",
-}
-
 
 # --- errors ---------------------------------------------------------------------------------------
 class KvserveError(Exception):
@@ -75,201 +71,6 @@ def _wrap(e: grpc.RpcError, attempts: int) -> KvserveError:
     code = e.code() if callable(getattr(e, "code", None)) else grpc.StatusCode.UNKNOWN
     details = e.details() if callable(getattr(e, "details", None)) else str(e)
     return KvserveError(code or grpc.StatusCode.UNKNOWN, details or "", attempts)
-
-
-# --- results --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TopLogprob:
-    id: int
-    logprob: float
-    text: str
-
-
-@dataclass(frozen=True)
-class AttentionRow:
-    layer: int
-    head: int
-    weights: list[float]  # over every position so far: prompt, then generated tokens
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token (a ``TokenChunk``)."""
-    index: int
-    id: int
-    text: str  # the new text (may be "" while bytes/stop-string prefixes are held back)
-    logprob: float | None = None
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
-    logits: list[float] | None = None
-    attention: list[AttentionRow] = field(default_factory=list)
-    special: bool = False
-
-    type = "token"
-
-
-@dataclass(frozen=True)
-class Timings:
-    queue_seconds: float
-    time_to_first_token_seconds: float
-    total_seconds: float
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The end of a Generate stream (``Complete``), plus the tokens when collected by
-    :meth:`Client.generate`."""
-    text: str
-    finish_reason: str  # length, eos_token, stop_sequence, stop_token, cancelled, time_limit, error
-    stop_sequence: str
-    stop_token_id: int | None
-    prompt_tokens: int
-    generated_tokens: int
-    timings: Timings
-    request_id: str
-    error: str = ""
-    tokens: list[TokenEvent] = field(default_factory=list)
-
-    type = "complete"
-
-
-GenerateEvent = Union[TokenEvent, Completion]
-
-
-@dataclass(frozen=True)
-class ScoredToken:
-    id: int
-    logprob: float  # log p(this token | the tokens before it)
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """One scored sequence. ``tokens`` has ``token_count - 1`` entries (the first token is not
-    scored); sum/mean/perplexity are over those."""
-    token_count: int
-    tokens: list[ScoredToken]
-    sum_logprob: float
-    mean_logprob: float
-    perplexity: float
-
-    @property
-    def scored_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def logprobs(self) -> list[float]:
-        return [t.logprob for t in self.tokens]
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    vocab_size: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    max_seq_len: int
-    eos_token_id: int | None
-    provider: str
-    attention_available: bool
-    version: str
-    manifest_sha256: str
-    config_json: str
-    limits: dict[str, float]
-
-
-def _tops(xs) -> list[TopLogprob]:
-    return [TopLogprob(t.id, t.logprob, t.text) for t in xs]
-
-
-def _token_event(c: pb.TokenChunk, logprobs: bool) -> TokenEvent:
-    return TokenEvent(
-        index=c.index, id=c.id, text=c.text, logprob=c.logprob if logprobs else None,
-        top_logprobs=_tops(c.top_logprobs), logits=list(c.logits) if len(c.logits) else None,
-        attention=[AttentionRow(a.layer, a.head, list(a.weights)) for a in c.attention],
-        special=c.special)
-
-
-def _completion(c: pb.Complete) -> Completion:
-    reason = FINISH_REASONS.get(c.finish_reason, str(c.finish_reason))
-    return Completion(
-        text=c.text, finish_reason=reason, stop_sequence=c.stop_sequence,
-        stop_token_id=c.stop_token_id if reason == "stop_token" else None,
-        prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
-        timings=Timings(c.timings.queue_seconds, c.timings.time_to_first_token_seconds,
-                        c.timings.total_seconds),
-        request_id=c.request_id, error=c.error)
-
-
-def _score_results(resp: pb.ScoreResponse) -> list[ScoreResult]:
-    return [ScoreResult(s.token_count,
-                        [ScoredToken(t.id, t.logprob, _tops(t.top_logprobs)) for t in s.tokens],
-                        s.sum_logprob, s.mean_logprob, s.perplexity) for s in resp.sequences]
-
-
-def _model_info(r: pb.ModelInfoResponse) -> ModelInfo:
-    limits = {f.name: getattr(r.limits, f.name) for f in r.limits.DESCRIPTOR.fields}
-    return ModelInfo(r.vocab_size, r.n_layers, r.n_heads, r.n_kv_heads, r.max_seq_len,
-                     None if r.eos_token_id < 0 else r.eos_token_id, r.provider,
-                     r.attention_available, r.version, r.manifest_sha256, r.config_json, limits)
-
-
-# --- requests -------------------------------------------------------------------------------------
-def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperature: float = 0.0, top_k: int = 0,
-                     top_p: float | None = None, min_p: float = 0.0,
-                     repetition_penalty: float | None = None, presence_penalty: float = 0.0,
-                     frequency_penalty: float = 0.0, seed: int | None = None,
-                     max_new_tokens: int = 0, min_new_tokens: int = 0,
-                     stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                     ignore_eos: bool = False, logprobs: bool = False, top_logprobs: int = 0,
-                     return_logits: bool = False, attention_layers: Sequence[int] = (),
-                     attention_heads: Sequence[int] = (), request_id: str = "",
-                     coalesce: bool = True) -> pb.GenerateRequest:
-    """Build a ``GenerateRequest``. ``prompt``: text, token ids, or chat messages (dicts with
-    ``role`` and ``content``, rendered by the server with the model's chat template). ``None``
-    leaves an optional field unset (the server's default); ``max_new_tokens=0`` is the server
-    default. ``coalesce``: tokens ready together may share one message (the client unpacks
-    them; an older server ignores it)."""
-    s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
-                           presence_penalty=presence_penalty,
-                           frequency_penalty=frequency_penalty)
-    if top_p is not None:
-        s.top_p = top_p
-    if repetition_penalty is not None:
-        s.repetition_penalty = repetition_penalty
-    if seed is not None:
-        s.seed = seed
-    r = pb.GenerateRequest(
-        sampling=s,
-        stopping=pb.StoppingOptions(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                    stop=list(stop), stop_token_ids=list(stop_token_ids),
-                                    ignore_eos=ignore_eos),
-        response=pb.ResponseOptions(logprobs=logprobs or top_logprobs > 0,
-                                    top_logprobs=top_logprobs, return_logits=return_logits,
-                                    attention=pb.AttentionOptions(layers=list(attention_layers),
-                                                                  heads=list(attention_heads)),
-                                    coalesce=coalesce),
-        request_id=request_id)
-    if isinstance(prompt, str):
-        r.text = prompt
-    elif prompt and isinstance(prompt[0], dict):  # chat messages: [{"role", "content"}, ...]
-        r.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                               for m in prompt)
-    else:
-        r.token_ids.ids.extend(int(i) for i in prompt)
-    return r
-
-
-def score_request(texts: Sequence[str] | None = None,
-                  token_ids: Sequence[Sequence[int]] | None = None, top_logprobs: int = 0,
-                  request_id: str = "") -> pb.ScoreRequest:
-    if (texts is None) == (token_ids is None):
-        raise ValueError("give texts or token_ids (exactly one)")
-    r = pb.ScoreRequest(top_logprobs=top_logprobs, request_id=request_id)
-    if texts is not None:
-        r.texts.extend(texts)
-    else:
-        r.token_ids.extend(pb.TokenIds(ids=list(map(int, s))) for s in token_ids)
-    return r
 
 
 # --- retry policy ---------------------------------------------------------------------------------
@@ -333,7 +134,7 @@ class _Base:
                  server_name: str | None = None, options: Sequence[tuple] = (),
                  resume: bool = True):
         self.target = target
-        self.resume = resume  # resume started Generate streams (clients/resume.py)
+        self.resume = resume  # resume started Generate streams (resume.py)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.on_attempt = on_attempt
@@ -349,9 +150,8 @@ class _Base:
         return self.timeout if timeout is None else timeout
 
     def _stream(self, prompt, resume: bool | None, options) -> StreamResume:
-        req = prompt if isinstance(prompt, pb.GenerateRequest) else \
-            generate_request(prompt, **options)
-        return StreamResume(req, self.resume if resume is None else resume)
+        return StreamResume(M.as_generate_request(prompt, options),
+                            self.resume if resume is None else resume)
 
     def _attempt(self, method: str, attempt: int) -> None:
         if self.on_attempt is not None:
@@ -436,13 +236,12 @@ class Client(_Base):
                 on_call(call)
             try:
                 for msg in call:
-                    if not msg.HasField("chunk"):
-                        yield _completion(msg.complete)
-                        return
-                    for c in (msg.chunk, *msg.more):
-                        if rs.accept(c):
+                    for ev in M.generate_events(msg, lp):
+                        if isinstance(ev, TokenEvent):
+                            if not rs.accept(ev.index, ev.id):
+                                continue  # (sent again by a server that restarted it)
                             attempt = 1  # progress: the retry budget starts again
-                            yield _token_event(c, lp)
+                        yield ev
                 return
             except grpc.RpcError as e:
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
@@ -455,37 +254,29 @@ class Client(_Base):
     def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
                  timeout: float | None = None, **options) -> Completion:
         """The whole completion, with its tokens in ``Completion.tokens``."""
-        tokens: list[TokenEvent] = []
+        collect = M.Collector()
         for ev in self.generate_stream(prompt, timeout=timeout, **options):
-            if isinstance(ev, TokenEvent):
-                tokens.append(ev)
-            else:
-                return _with_tokens(ev, tokens)
-        raise KvserveError(grpc.StatusCode.INTERNAL, "the stream ended without a Complete event")
+            if (done := collect.add(ev)) is not None:
+                return done
+        raise KvserveError(grpc.StatusCode.INTERNAL, M.Collector.INCOMPLETE)
 
     # Score / tokenizer / info --------------------------------------------------------------------
     def score(self, texts: Sequence[str] | None = None, *,
               token_ids: Sequence[Sequence[int]] | None = None, top_logprobs: int = 0,
               request_id: str = "", timeout: float | None = None) -> list[ScoreResult]:
-        req = score_request(texts, token_ids, top_logprobs, request_id)
-        return _score_results(self._unary("Score", req, timeout))
+        req = M.score_request(texts, token_ids, top_logprobs, request_id)
+        return M.score_results(self._unary("Score", req, timeout))
 
     def tokenize(self, texts: Sequence[str], timeout: float | None = None) -> list[list[int]]:
-        r = self._unary("Tokenize", pb.TokenizeRequest(texts=list(texts)), timeout)
-        return [list(t.ids) for t in r.tokens]
+        return M.tokenized(self._unary("Tokenize", M.tokenize_request(texts), timeout))
 
     def detokenize(self, token_ids: Sequence[Sequence[int]], timeout: float | None = None
                    ) -> list[str]:
-        r = self._unary("Detokenize", pb.DetokenizeRequest(
-            token_ids=[pb.TokenIds(ids=list(s)) for s in token_ids]), timeout)
-        return list(r.texts)
+        return M.detokenized(self._unary("Detokenize", M.detokenize_request(token_ids),
+                                         timeout))
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(self._unary("ModelInfo", pb.ModelInfoRequest(), timeout))
-
-
-def _with_tokens(c: Completion, tokens: list[TokenEvent]) -> Completion:
-    return Completion(**{**c.__dict__, "tokens": tokens})
+        return M.model_info(self._unary("ModelInfo", pb.ModelInfoRequest(), timeout))
 
 
 # --- asyncio client -------------------------------------------------------------------------------
@@ -536,13 +327,12 @@ class AsyncClient(_Base):
                                        metadata=self._metadata)
             try:
                 async for msg in call:
-                    if not msg.HasField("chunk"):
-                        yield _completion(msg.complete)
-                        return
-                    for c in (msg.chunk, *msg.more):
-                        if rs.accept(c):
+                    for ev in M.generate_events(msg, lp):
+                        if isinstance(ev, TokenEvent):
+                            if not rs.accept(ev.index, ev.id):
+                                continue  # (sent again by a server that restarted it)
                             attempt = 1  # progress: the retry budget starts again
-                            yield _token_event(c, lp)
+                        yield ev
                 return
             except grpc.RpcError as e:
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
@@ -554,35 +344,26 @@ class AsyncClient(_Base):
 
     async def generate(self, prompt: str | Sequence[int] | pb.GenerateRequest, *,
                        timeout: float | None = None, **options) -> Completion:
-        tokens: list[TokenEvent] = []
+        collect = M.Collector()
         async for ev in self.generate_stream(prompt, timeout=timeout, **options):
-            if isinstance(ev, TokenEvent):
-                tokens.append(ev)
-            else:
-                return _with_tokens(ev, tokens)
-        raise KvserveError(grpc.StatusCode.INTERNAL, "the stream ended without a Complete event")
+            if (done := collect.add(ev)) is not None:
+                return done
+        raise KvserveError(grpc.StatusCode.INTERNAL, M.Collector.INCOMPLETE)
 
     async def score(self, texts: Sequence[str] | None = None, *,
                     token_ids: Sequence[Sequence[int]] | None = None, top_logprobs: int = 0,
                     request_id: str = "", timeout: float | None = None) -> list[ScoreResult]:
-        req = score_request(texts, token_ids, top_logprobs, request_id)
-        return _score_results(await self._unary("Score", req, timeout))
+        req = M.score_request(texts, token_ids, top_logprobs, request_id)
+        return M.score_results(await self._unary("Score", req, timeout))
 
     async def tokenize(self, texts: Sequence[str], timeout: float | None = None
                        ) -> list[list[int]]:
-        r = await self._unary("Tokenize", pb.TokenizeRequest(texts=list(texts)), timeout)
-        return [list(t.ids) for t in r.tokens]
+        return M.tokenized(await self._unary("Tokenize", M.tokenize_request(texts), timeout))
 
     async def detokenize(self, token_ids: Sequence[Sequence[int]],
                          timeout: float | None = None) -> list[str]:
-        r = await self._unary("Detokenize", pb.DetokenizeRequest(
-            token_ids=[pb.TokenIds(ids=list(s)) for s in token_ids]), timeout)
-        return list(r.texts)
+        return M.detokenized(await self._unary("Detokenize", M.detokenize_request(token_ids),
+                                               timeout))
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(await self._unary("ModelInfo", pb.ModelInfoRequest(), timeout))
-
-
-def corpus_perplexity(total_logprob: float, scored_tokens: int) -> float:
-    """exp(total NLL / scored tokens); nan when nothing was scored."""
-    return math.exp(-total_logprob / scored_tokens) if scored_tokens else float("nan")
+        return M.model_info(await self._unary("ModelInfo", pb.ModelInfoRequest(), timeout))

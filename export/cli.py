@@ -3,11 +3,12 @@ command runs, so ``kvserve export --help`` answers at once."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 
 from kvserve.artifact.manifest import MANIFEST
+
+from .logs import quiet_exporter_logs
 
 # == pipeline.PRECISIONS (tests/test_cli_startup.py checks); not imported from there: torch
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -18,7 +19,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="artifact directory to write")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="fp32 (default), fp16 (CUDA provider; float16 KV cache), int8 "
-                             "(CPU, dynamic quantization), int4 (CPU, 4-bit weight blocks: "
+                             "(CPU, integer MatMuls: int8 weights per output column, "
+                             "activations quantized per row), int4 (CPU, 4-bit weight blocks: "
                              "MatMulNBits; fused graphs)")
     parser.add_argument("--portable", action="store_true",
                         help="standard ONNX ops only (prefill + decode graphs with the optimum "
@@ -41,24 +43,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--sign-key", default=None,
                         help="Ed25519 private key (PEM): sign the manifest (manifest.sig); "
                              "see `kvserve sign --help`")
-
-
-def _quiet_quantizer(record: logging.LogRecord) -> bool:
-    """Drop onnxruntime.quantization's records below WARNING."""
-    path = record.pathname.replace("\\", "/")
-    return record.levelno >= logging.WARNING or "/onnxruntime/quantization/" not in path
-
-
-def quiet_exporter_logs() -> None:
-    """Keep the libraries' narration out of the terminal (the CLI's logging setup)."""
-    # The exporter logs a warning per optional torchvision op; users need none of them.
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
-    # the exporter's graph passes narrate every rewrite at INFO
-    for name in ("onnx_ir", "onnxscript"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # onnxruntime's quantizer logs INFO lines per tensor (~100 for --precision int8) through
-    # the root logger itself (logging.info), so no logger level reaches it: filter its records
-    logging.getLogger().addFilter(_quiet_quantizer)
 
 
 def main(args) -> int:

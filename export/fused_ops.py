@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from kvserve.artifact.spec import INPUT_IDS, QUERY_SEQLENS, SEQLENS_K
 from kvserve.model.config import ModelConfig
 
 MS = "com.microsoft"
@@ -54,9 +55,9 @@ class Builder:
 def positions(b: Builder) -> str:
     """position_ids (B, S) int64 from the cache counters: P_b + s, P_b = seqlens_k + 1 - Q_b."""
     one = b.init("const.one_i32", np.array(1, np.int32), keep_dtype=True)
-    past = b.one("Sub", [b.one("Add", ["seqlens_k", one]), "query_seqlens"])  # (B,)
+    past = b.one("Sub", [b.one("Add", [SEQLENS_K, one]), QUERY_SEQLENS])  # (B,)
     past = b.one("Cast", [past], to=TensorProto.INT64)
-    seq = b.one("Gather", [b.one("Shape", ["input_ids"]), b.i64("const.one_i64", 1)], axis=0)
+    seq = b.one("Gather", [b.one("Shape", [INPUT_IDS]), b.i64("const.one_i64", 1)], axis=0)
     rng = b.one("Range", [b.i64("const.zero_i64", 0), seq, b.i64("const.step_i64", 1)])  # (S,)
     return b.one("Add", [b.one("Unsqueeze", [past, b.i64("const.axis1", [1])]), rng])  # (B, S)
 

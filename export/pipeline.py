@@ -240,7 +240,7 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids) 
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "precision": precision,
         "kind": kind,
-        "opset": OPSET if kind == PORTABLE else fused.FUSED_OPSET,
+        "opset": OPSET,
         "runtime": _runtime(cfg, kind, specs, kv_dtype),
         "model": {"n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,

@@ -19,7 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-hf": ("kvserve.model.hf_import_cli", "convert a local Hugging Face directory (GPT-2, "
                                                  "Llama, Mistral, Qwen, Gemma, Phi-3, SmolLM) "
                                                  "into a kvserve checkpoint"),
-    "export": ("kvserve.export.cli", "export a checkpoint to prefill/decode ONNX graphs with a "
+    "export": ("kvserve.export.cli", "export a checkpoint to an ONNX artifact (the fused graph; "
+                                     "--portable: standard-ops prefill/decode graphs) with a "
                                      "parity gate and a manifest"),
     "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),
     "sign": ("kvserve.artifact.signing", "sign an artifact's manifest (Ed25519), or make a key "

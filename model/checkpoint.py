@@ -70,7 +70,3 @@ def load_model(ckpt: str | Path, device: str = "cpu", dtype=torch.float32) -> Tr
         raise ValueError(f"checkpoint {ckpt} does not match its config: missing={missing}, "
                          f"unexpected={unexpected}")
     return model.to(device=device, dtype=dtype).eval()
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(Path(path).read_text())

@@ -8,14 +8,16 @@ Batch definition
 
 Checkpoint directory (--out), replaced as a whole (written to a temp dir, then renamed):
   model.safetensors, config.json, tokenizer.json       (model/checkpoint.py)
+  train_config.json                                    the TrainConfig (model/train_config.py)
   optimizer.safetensors                                AdamW state by parameter name + torch RNG
   train_state.json                                     step, tokens, schedule, data position, ...
   metrics.jsonl                                        one line per step and per evaluation
 Never pickled. ``--resume`` restores all of it and continues the same loss curve.
+
+The ``Trainer`` takes a ``TrainConfig``; ``kvserve train`` builds one from its flags.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -48,14 +50,14 @@ from .checkpoint import TOKENIZER, load_model, model_state, save_checkpoint  # n
 from .config import PRESETS, ModelConfig, preset  # noqa: E402
 from .corpus import stdlib_sources  # noqa: E402
 from .generate import generate  # noqa: E402
+from .run_dir import STATE, swap_dir, write_text_atomic  # noqa: E402
 from .tokenizer import Tokenizer, train_bpe  # noqa: E402
-from .train_cli import DEFAULTS, MAX_STEPS_LIMIT, RUN_HPARAMS  # noqa: E402
+from .train_config import TRAIN_CONFIG, TrainConfig  # noqa: E402
 from .transformer import Transformer  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 OPTIMIZER = "optimizer.safetensors"
-STATE = "train_state.json"
 METRICS = "metrics.jsonl"
 STATE_VERSION = 1
 ERROR_MARK = "\0error:"
@@ -163,39 +165,6 @@ def weights_sha256(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _old_dir(out: Path) -> Path:
-    return out.with_name(f".{out.name}.old")
-
-
-def recover_checkpoint_dir(out: Path) -> None:
-    """A crash between the two renames of ``swap_dir`` leaves only ``.<out>.old``: restore it."""
-    old = _old_dir(out)
-    if old.is_dir() and not out.exists():
-        log.warning("restoring the previous checkpoint from %s (interrupted save)", old)
-        os.rename(old, out)
-
-
-def swap_dir(tmp: Path, out: Path) -> None:
-    """Make ``tmp`` the checkpoint at ``out``; foreign files in ``out`` are carried over."""
-    if out.is_dir():
-        for entry in out.iterdir():
-            if not (tmp / entry.name).exists():
-                os.rename(entry, tmp / entry.name)
-        old = _old_dir(out)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 class LossModel(nn.Module):
     """What DDP wraps: tokens in, mean next-token cross-entropy out."""
 
@@ -210,56 +179,28 @@ class LossModel(nn.Module):
 
 # --- the trainer ----------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, config: TrainConfig, resume: bool = False):
+        """``config``: the invocation's (with ``resume``: its run hyperparameters already taken
+        from the saved run, ``train_config.from_flags``)."""
         self.t0 = time.perf_counter()
-        self.args = args
-        given = {k: getattr(args, k, None) for k in DEFAULTS}
-        self.out = Path(given["out"] or DEFAULTS["out"])
-        self.resume = bool(getattr(args, "resume", False))
+        self.config = config
+        self.out = Path(config.out)
+        self.resume = resume
         self.saved: dict[str, Any] | None = None
-        if self.resume:
-            recover_checkpoint_dir(self.out)
+        if resume:
             if not (self.out / STATE).is_file():
                 raise FileNotFoundError(f"--resume: no {STATE} in {self.out}")
             self.saved = json.loads((self.out / STATE).read_text())
-        hp = {k: (v if v is not None else DEFAULTS[k]) for k, v in given.items()}
-        if self.saved is not None:
-            for k in RUN_HPARAMS:
-                old = self.saved["hparams"][k]
-                if given[k] is not None and given[k] != old:
-                    log.warning("--resume: keeping %s=%r of the run (ignoring %r)", k, old,
-                                given[k])
-                hp[k] = old
-            if given["max_steps"] is None:
-                hp["max_steps"] = self.saved["hparams"]["max_steps"]
-        self.hp = argparse.Namespace(**hp)
         self.cut: dict[str, Any] | None = None  # set when --max-minutes stops the run early
-        self._validate()
-
-    def _validate(self) -> None:
-        h = self.hp
-        for k in ("max_steps", "batch_size", "seq_len", "grad_accum", "eval_every",
-                  "eval_batches"):
-            if getattr(h, k) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1")
-        if h.warmup_steps < 0 or h.lr <= 0 or h.min_lr < 0:
-            raise ValueError("--warmup-steps/--min-lr must be >= 0; --lr > 0")
-        if h.max_minutes is not None and not 0 < h.max_minutes <= 100_000:
-            raise ValueError("--max-minutes must be in (0, 100000]")
-        if h.max_steps > MAX_STEPS_LIMIT:
-            raise ValueError(f"--max-steps must be <= {MAX_STEPS_LIMIT:,}")
-        max_len = PRESETS[h.preset].get("max_seq_len", ModelConfig.max_seq_len)
-        if h.seq_len > max_len:
-            raise ValueError(f"--seq-len {h.seq_len} exceeds the model's max_seq_len {max_len}")
         if self.out.resolve() == Path.cwd().resolve():
             raise ValueError("--out must be a directory of its own, not the current directory")
-        if not self.resume and (self.out / STATE).is_file():
+        if not resume and (self.out / STATE).is_file():
             log.warning("%s holds a training run: it will be replaced (use --resume to "
                         "continue it)", self.out)
 
     # --- setup --------------------------------------------------------------------------
     def run(self) -> int:
-        h = self.hp
+        h = self.config
         if self.saved is not None and self.saved["step"] >= h.max_steps:
             done = self.saved["step"]
             print(f"kvserve train: the run in {self.out} has already reached step {done} of its "
@@ -285,7 +226,7 @@ class Trainer:
         return 0
 
     def _setup_data(self) -> None:
-        h, d = self.hp, self.dist
+        h, d = self.config, self.dist
         files = D.resolve_inputs(h.data) if h.data else stdlib_sources(h.corpus_bytes)
         cache = Path(h.cache_dir) if h.cache_dir else self.out.parent / ".kvserve-cache"
         fp = D.fingerprint(files, h.text_field, h.val_fraction)
@@ -335,7 +276,7 @@ class Trainer:
                      len(self.data.val), self.unigram, D.perplexity(self.unigram))
 
     def _setup_model(self) -> None:
-        h = self.hp
+        h = self.config
         if self.resume:
             self.model = load_model(self.out, device=str(self.device)).train()
             if self.model.cfg.vocab_size != self.tok.vocab_size:
@@ -379,7 +320,7 @@ class Trainer:
 
     # --- loop ---------------------------------------------------------------------------
     def _train_step(self) -> float:
-        h = self.hp
+        h = self.config
         lr = lr_at(self.step, h.lr, h.min_lr, h.warmup_steps, h.max_steps)
         for g in self.opt.param_groups:
             g["lr"] = lr
@@ -408,7 +349,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        h, d = self.hp, self.dist
+        h, d = self.config, self.dist
         self.model.eval()
         mine = self.eval_rows[d.rank::d.world]
         tot = torch.zeros(2, dtype=torch.float64)  # (sum of losses, tokens)
@@ -426,7 +367,7 @@ class Trainer:
     def _should_stop(self, deadline: float | None, tail_s: float) -> bool:
         """Done (--max-steps, --stop-at-step), or out of the --max-minutes budget; rank 0's
         clock decides for everyone. A budget stop is recorded in ``self.cut``."""
-        h = self.hp
+        h = self.config
         stop = self.step >= h.max_steps or (h.stop_at_step is not None
                                             and self.step >= h.stop_at_step)
         if deadline is None:
@@ -451,7 +392,7 @@ class Trainer:
         return f"kvserve train --out {self.out} --resume"
 
     def _train(self) -> None:
-        h, d = self.hp, self.dist
+        h, d = self.config, self.dist
         deadline = None
         if h.max_minutes is not None:  # interpreter start-up is extra
             deadline = self.t0 + 0.98 * h.max_minutes * 60.0
@@ -487,7 +428,7 @@ class Trainer:
 
     def _eval_and_save(self, tps: float) -> None:
         val = self.evaluate()
-        recent = [m["loss"] for m in self.metrics[-self.hp.eval_every:] if m["kind"] == "train"]
+        recent = [m["loss"] for m in self.metrics[-self.config.eval_every:] if m["kind"] == "train"]
         rec = {"kind": "eval", "step": self.step, "tokens": self.tokens_seen,
                "val_loss": val, "val_ppl": D.perplexity(val),
                "train_loss": float(np.mean(recent)) if recent else None,
@@ -518,12 +459,12 @@ class Trainer:
         return self.elapsed_before + time.perf_counter() - self.t0
 
     def _save(self, sha: str, rank_shas: list[str]) -> None:
-        h = self.hp
+        h = self.config
         tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         state = {
             "version": STATE_VERSION, "step": self.step, "tokens_seen": self.tokens_seen,
-            "hparams": {k: getattr(h, k) for k in (*RUN_HPARAMS, "max_steps")},
+            "hparams": h.run_hparams(),
             "schedule": {"kind": "linear-warmup-cosine", "lr": h.lr, "min_lr": h.min_lr,
                          "warmup_steps": h.warmup_steps, "total_steps": h.max_steps},
             "rng": {"init_seed": h.seed, "data_seed": h.seed,
@@ -539,13 +480,14 @@ class Trainer:
         }
         metrics = "".join(json.dumps(m) + "\n" for m in self.metrics)
         save_checkpoint(tmp, self.model, self.tok.to_str(), extra_files={
-            STATE: (json.dumps(state, indent=1) + "\n").encode(), METRICS: metrics.encode()})
+            STATE: (json.dumps(state, indent=1) + "\n").encode(), METRICS: metrics.encode(),
+            TRAIN_CONFIG: h.to_json().encode()})
         save_file(optimizer_tensors(self.model, self.opt), str(tmp / OPTIMIZER))
         self.out.parent.mkdir(parents=True, exist_ok=True)
         swap_dir(tmp, self.out)
 
     def _report(self, tps: float, steps_run: int) -> None:
-        h = self.hp
+        h = self.config
         ev = [m for m in self.metrics if m["kind"] == "eval"][-1]
         print(f"unigram baseline (validation token entropy): {self.unigram:.4f} nats/token "
               f"(ppl {D.perplexity(self.unigram):.1f})")

@@ -14,23 +14,18 @@ import sys
 from typing import Any
 
 from .config import PRESETS
-from .corpus import DEFAULT_MAX_BYTES
+from .train_config import FIELDS, TrainConfig, from_flags
 
-# Defaults, applied after parsing so that --resume can tell which flags were given.
-DEFAULTS: dict[str, Any] = dict(
-    preset="small", data=None, text_field="text", val_fraction=0.05, vocab_size=None,
-    out="runs/default", cache_dir=None, corpus_bytes=DEFAULT_MAX_BYTES,
-    max_steps=800, max_minutes=None, stop_at_step=None,
-    batch_size=16, seq_len=128, grad_accum=1,
-    lr=3e-3, min_lr=3e-4, warmup_steps=50, weight_decay=0.1, grad_clip=1.0,
-    eval_every=200, eval_batches=8, seed=1337, threads=None, device="auto",
-    sample_prompt="def fibonacci(n):\n", sample_tokens=64,
-)
-# Fixed for the life of a run: taken from train_state.json on --resume.
-RUN_HPARAMS = ("preset", "data", "text_field", "val_fraction", "vocab_size", "corpus_bytes",
-               "batch_size", "seq_len", "grad_accum", "lr", "min_lr", "warmup_steps",
-               "weight_decay", "grad_clip", "eval_batches", "seed")
-MAX_STEPS_LIMIT = 100_000_000
+# Every flag parses to None when not given: the defaults (TrainConfig's) are applied after
+# parsing, so that --resume can tell which flags were given.
+DEFAULTS: dict[str, Any] = TrainConfig().to_dict()
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of a parsed ``kvserve train`` command line (with --resume: the saved
+    run's hyperparameters win, see ``train_config.from_flags``)."""
+    return from_flags({k: getattr(args, k, None) for k in FIELDS},
+                      resume=bool(getattr(args, "resume", False)))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,10 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .train import Trainer  # torch
-
     try:
-        return Trainer(args).run()
+        config = config_from_args(args)
+        from .train import Trainer  # torch
+
+        return Trainer(config, resume=bool(getattr(args, "resume", False))).run()
     except (ValueError, FileNotFoundError) as e:
         print(f"kvserve train: error: {e}", file=sys.stderr)
         return 2

@@ -118,7 +118,11 @@ class App:
                              request_time_limit=self.cfg.request_time_limit,
                              metrics=self.metrics, eos_ids=tuple(self.eos_ids),
                              stream_interval=self.cfg.stream_interval_ms / 1000,
-                             stream_interval_max=self.cfg.stream_interval_max_ms / 1000)
+                             stream_interval_max=self.cfg.stream_interval_max_ms / 1000,
+                             prefix_cache_bytes=self.cfg.prefix_cache_mb << 20,
+                             speculative_tokens=self.cfg.speculative_tokens)
+        if self.engine.prefix is not None:
+            self.metrics.prefix_bytes.set(self.engine.prefix.nbytes)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__,
                                                    eos_ids=self.eos_ids,

@@ -51,6 +51,8 @@ _BOUNDS = (
     ("stream_interval_max_ms", 0, 1000),
     ("max_concurrent_rpcs", 0, 100_000),
     ("drain_grace", 0, 86_400),
+    ("prefix_cache_mb", 0, 1 << 20),
+    ("speculative_tokens", 0, 16),
 )
 
 
@@ -137,6 +139,13 @@ class ServerConfig:
                                           "than the logits cap's",
                                      limit="not an error: longer prompts are prefilled in "
                                            "chunks")
+    prefix_cache_mb: int = _opt(256, "memory (MB) of the prefix cache: KV rows of earlier "
+                                     "prompts and outputs, reused by requests that begin with "
+                                     "the same tokens (allocated once; 0 = off)",
+                                limit="not an error: least recently used blocks are evicted")
+    speculative_tokens: int = _opt(4, "most draft tokens a sequence verifies per step "
+                                      "(n-gram speculative decoding: exact, adaptive, paused "
+                                      "while it would lose speed; 0 = off)")
     max_temperature: float = _opt(100.0, "upper bound of temperature",
                                   limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
     max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",

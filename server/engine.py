@@ -35,9 +35,8 @@ import threading
 import time
 from typing import Callable, Sequence as Seq
 
-import numpy as np
-
 from kvserve.artifact.longrope import LongRopeSwitch
+from kvserve.artifact.prefix_pool import make_prefix_pool
 from kvserve.model.sampling import make_rng
 
 from . import resume
@@ -45,11 +44,13 @@ from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest, \
     Unavailable
 from .interfaces import EngineMetrics, NullMetrics, Runner, StagedSink
+from .model_runner import ModelRunner
 from .output import OutputProcessor
-from .sampler import sample_row
+from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
 from .scheduler import Scheduler
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
+from .speculation import Speculator
 from .stopping import argmax_from, quiet_rule
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class Engine:
                  score_chunk_floats: int, eos_id: int | None, request_time_limit: float = 0.0,
                  metrics: EngineMetrics | None = None, eos_ids: Seq[int] = (),
                  stream_interval: float = 0.0, prefill_chunk_tokens: int = 0,
-                 stream_interval_max: float | None = None):
+                 stream_interval_max: float | None = None, prefix_cache_bytes: int = 0,
+                 speculative_tokens: int = 0):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -85,13 +87,16 @@ class Engine:
             output=self.output)
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
+        self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
+        self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
+                                  self.longrope, self.prefix, self.spec)
+        self.sched.on_leave = self.runner.cache_tokens
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()
         self._stop = False
         self._accepting = True
         self._thread: threading.Thread | None = None
         self._ids = itertools.count(1)
-        self.steps = 0
         self._running = self._queued = 0  # the running and queue gauges' last values
         # tools (profilers, tracers): called as hook(run) around each loop iteration, where
         # run() is the iteration itself; set before start() or between requests
@@ -112,6 +117,33 @@ class Engine:
     @metrics.setter
     def metrics(self, m: EngineMetrics) -> None:  # (the app swaps them out for its warm-up)
         self._metrics = self.output.metrics = m
+
+    def _speedups(self, prefix_bytes: int, spec_tokens: int):
+        """The prefix cache and the speculator, where this runner and model allow them (each
+        off is logged with the reason)."""
+        prefix = spec = None
+        if prefix_bytes:
+            why = prefix_cache_unsupported_reason(self.cfg) or \
+                ("" if self.lm.kind in ("fused", "portable")
+                 else f"the {self.lm.kind} runner keeps no prefix pool")
+            pool = None if why else make_prefix_pool(self.lm, prefix_bytes, BLOCK_TOKENS)
+            if pool is None:
+                log.info("prefix cache off: %s", why or "the cap holds no block")
+            else:
+                prefix = PrefixCache(pool)
+                log.info("prefix cache: %d blocks of %d tokens, %.1f MB", pool.n_blocks,
+                         pool.block_tokens, pool.nbytes / 1e6)
+        if spec_tokens:
+            if getattr(self.lm, "supports_verify", False):
+                spec = Speculator(spec_tokens, self.cfg.max_seq_len)
+            else:
+                log.info("speculative decoding off: this runner cannot verify drafts")
+        return prefix, spec
+
+    @property
+    def steps(self) -> int:
+        """Model steps (decode or verification) so far."""
+        return self.runner.steps
 
     @property
     def kv(self):
@@ -253,7 +285,7 @@ class Engine:
             self._admit(admit)
         sched.retire_dead()
         if sched.active:
-            self._decode_step()
+            self.runner.step()
         sched.retire_done()
         if output.due(time.monotonic()):
             output.wake_staged()
@@ -282,100 +314,13 @@ class Engine:
             if req.resume and resume.restore(seq, self.eos_ids, self.output):
                 continue  # the delivered tokens had ended it: its Complete was all that was left
             (attn if seq.wants_attention else plain).append(seq)
+            if self.spec is not None:
+                self.spec.admit(seq)
         self.sched.reserve(seqs)
-        for group in self.sched.prefill_groups(plain):
-            self._prefill(group, attention=False)
-        for seq in attn:
-            self._prefill([seq], attention=True)
-
-    def _prefill(self, group: list[Sequence], attention: bool) -> None:
-        # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
-        chunk = self.chunk_tokens if attention else self.sched.prefill_tokens()
-        lens = [min(len(s.prefill_ids), chunk) for s in group]
-        active = self.sched.active
-        lo = len(active)  # the group takes the next free slots, in order
-        res = self.lm.prefill(self.kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
-                              attention=attention, last=True)  # (1, V) each: the last row
-        for b, (seq, n) in enumerate(zip(group, lens)):
-            active.append(seq)
-            if n < len(seq.prefill_ids):
-                if attention:  # the rest goes through decode steps, which carry attention
-                    seq.forced.extend(seq.prefill_ids[n:])
-                    seq.feed = seq.forced.popleft()
-                    continue
-                self._choose(seq, self._extend(lo + b, seq.prefill_ids, n), None)
-                continue
-            rows = None
-            if attention:  # the last prompt token's attention over the prompt
-                rows = [(layer, h, res.attention[b][layer, h, n - 1])
-                        for layer in seq.req.output.attention_layers
-                        for h in seq.req.output.attention_heads]
-            self._choose(seq, res.logits[b][-1], rows)
+        self.runner.prefill(plain, attn)
 
     def prefill_tokens(self) -> int:
         return self.sched.prefill_tokens()
-
-    def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
-        """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``
-        (LongRoPE's portable runner: of ``chunk_tokens``) after the slot's rows so far.
-        Returns the last row of logits (V,)."""
-        if self.longrope is not None:  # a prompt past its limit: long factors from row 0
-            last = self.longrope.extend(self.lm, self.kv, slot, ids, start, self.chunk_tokens)
-            if last is not None:
-                return last
-        step = self.sched.prefill_tokens()
-        for a in range(start, len(ids), step):
-            chunk = np.asarray(ids[a:a + step], np.int64)
-            last = self.lm.extend(self.kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
-        return last
-
-    # --- decoding ------------------------------------------------------------------------------
-    def _decode_step(self) -> None:
-        active = self.sched.active
-        n = len(active)
-        attention = any(s.wants_attention and not s.forced for s in active)
-        tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
-        if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
-            # events handed over before that refill, which may take a while)
-            self.longrope.before_decode(self.lm, self.kv, n, self._tokens_of, self.chunk_tokens,
-                                        before_refill=self.output.wake_staged)
-        t0 = time.monotonic()
-        logits, attn = self.lm.decode(self.kv, n, tokens, attention=attention)
-        self.steps += 1
-        now = time.monotonic()
-        self.metrics.step(n, now - t0)
-        # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
-        # over the batch (V,) rows at once: the same token sample_row would pick
-        plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
-                 for s in active]
-        argmax = logits[:n].argmax(axis=1).tolist() if any(plain) else None
-        hold = self.output.hold
-        for i, seq in enumerate(active):
-            if seq.forced:
-                seq.feed = seq.forced.popleft()
-                continue
-            if plain[i] and seq.quiet is not None and seq.quiet.quiet(argmax[i],
-                                                                      len(seq.generated)):
-                hold(seq, argmax[i], now)
-                continue
-            rows = None
-            if attn is not None and seq.wants_attention:
-                rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
-                        for layer in seq.req.output.attention_layers
-                        for h in seq.req.output.attention_heads]
-            self._choose(seq, logits[i], rows, argmax[i] if plain[i] else None)
-
-    def _tokens_of(self, slot: int) -> list[int]:
-        """The tokens of the sequence in ``slot`` so far (prompt, then generated)."""
-        return self.sched.active[slot].tokens()
-
-    def _choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None
-                ) -> None:
-        """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
-        by the batch's greedy argmax) and hand it to the output processor."""
-        if tok is None:
-            tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.eos_ids)
-        self.output.accept(seq, tok, raw, attention)
 
     # --- scoring -------------------------------------------------------------------------------
     def _advance_jobs(self) -> None:

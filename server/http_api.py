@@ -254,8 +254,11 @@ class OpenAIApi:
         # each prompt's tokens count once, whatever n is
         prompt = sum(finishes[p * parsed.n].prompt_tokens
                      for p in range(len(finishes) // parsed.n))
+        cached = sum(finishes[p * parsed.n].cached_tokens
+                     for p in range(len(finishes) // parsed.n))
         gen = sum(f.generated_tokens for f in finishes.values())
-        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
+        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def _collect(self, parsed: Parsed, rid: str, chat: bool, q: asyncio.Queue,
                        n: int) -> web.Response:

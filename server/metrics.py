@@ -1,14 +1,20 @@
-"""Prometheus metrics in the text exposition format (0.0.4), served over HTTP. No dependency.
+"""Prometheus metrics through ``prometheus_client``, served over HTTP on their own port.
 
 Names follow what serving stacks use (vLLM / TGI): queue size, running sequences, time to first
-token and inter-token latency histograms, requests by outcome, tokens in and out.
+token and inter-token latency histograms, requests by outcome, tokens in and out. Each
+``Metrics`` has its own ``CollectorRegistry`` (several servers in one process, as the tests make
+them, do not collide in the global one), with the process, platform and GC collectors on it:
+``process_cpu_seconds_total``, ``process_resident_memory_bytes``, ``python_info``, ...
 """
 from __future__ import annotations
 
-import bisect
 import http.server
 import logging
 import threading
+from urllib.parse import urlparse
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram,
+                               MetricsHandler, PlatformCollector, ProcessCollector)
 
 log = logging.getLogger(__name__)
 
@@ -16,111 +22,65 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                    30.0, 60.0)
 
 
-def _labels(d: dict[str, str]) -> str:
-    if not d:
-        return ""
-    inner = ",".join(f'{k}="{_esc(v)}"' for k, v in sorted(d.items()))
-    return "{" + inner + "}"
+class LabelledCounter:
+    """A ``prometheus_client.Counter`` called as ``inc(amount, **labels)`` / ``get(**labels)``.
 
+    The servers count with ``metrics.requests.inc(rpc=..., outcome=...)``; labels are declared
+    up front, in the order the exposition lists them (``outcome`` before ``rpc``)."""
 
-def _esc(v: str) -> str:
-    return str(v).replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
-
-
-class _Metric:
-    kind = ""
-
-    def __init__(self, name: str, help_: str):
-        self.name, self.help = name, help_
-        self.lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Metric):
-    kind = "counter"
-
-    def __init__(self, name: str, help_: str):
-        super().__init__(name, help_)
-        self.values: dict[tuple, float] = {}
+    def __init__(self, registry: CollectorRegistry, name: str, doc: str,
+                 labelnames: tuple[str, ...] = ()):
+        self.counter = Counter(name, doc, labelnames, registry=registry)
+        self.sample_name = name if name.endswith("_total") else name + "_total"
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self.lock:
-            self.values[key] = self.values.get(key, 0.0) + amount
+        (self.counter.labels(**labels) if labels else self.counter).inc(amount)
 
     def get(self, **labels: str) -> float:
-        return self.values.get(tuple(sorted(labels.items())), 0.0)
-
-    def render(self) -> list[str]:
-        with self.lock:
-            items = list(self.values.items()) or [((), 0.0)]
-        return self.header() + [f"{self.name}{_labels(dict(k))} {v:g}" for k, v in items]
-
-
-class Gauge(_Metric):
-    kind = "gauge"
-
-    def __init__(self, name: str, help_: str):
-        super().__init__(name, help_)
-        self.value = 0.0
-
-    def set(self, v: float) -> None:
-        self.value = float(v)
-
-    def render(self) -> list[str]:
-        return self.header() + [f"{self.name} {self.value:g}"]
-
-
-class Histogram(_Metric):
-    kind = "histogram"
-
-    def __init__(self, name: str, help_: str, buckets=LATENCY_BUCKETS):
-        super().__init__(name, help_)
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        with self.lock:
-            self.counts[bisect.bisect_left(self.buckets, v)] += 1
-            self.sum += v
-            self.count += 1
-
-    def render(self) -> list[str]:
-        with self.lock:
-            counts, s, c = list(self.counts), self.sum, self.count
-        out, acc = self.header(), 0
-        for b, n in zip(self.buckets, counts):
-            acc += n
-            out.append(f'{self.name}_bucket{{le="{b:g}"}} {acc}')
-        out.append(f'{self.name}_bucket{{le="+Inf"}} {c}')
-        out += [f"{self.name}_sum {s:g}", f"{self.name}_count {c}"]
-        return out
+        """The current value for these labels; 0 for a label set never counted."""
+        for metric in self.counter.collect():
+            for s in metric.samples:
+                if s.name == self.sample_name and s.labels == labels:
+                    return s.value
+        return 0.0
 
 
 class Metrics:
     """The server's metrics; the engine calls the hook methods (interfaces.EngineMetrics)."""
 
     def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         p = "kvserve_"
-        self.requests = Counter(p + "requests_total", "finished requests by RPC and outcome")
-        self.queue = Gauge(p + "queue_size", "Generate requests waiting for a batch slot")
-        self.running_g = Gauge(p + "running_sequences", "sequences in the decode batch")
-        self.queue_time = Histogram(p + "queue_time_seconds", "submitted -> admitted")
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "submitted -> first token")
-        self.itl = Histogram(p + "inter_token_latency_seconds", "between consecutive tokens")
-        self.step_time = Histogram(p + "decode_step_seconds", "one batched decode step")
-        self.tokens_in = Counter(p + "prompt_tokens_total", "prompt tokens admitted")
-        self.tokens_out = Counter(p + "generated_tokens_total", "tokens generated")
-        self.scored = Counter(p + "scored_tokens_total", "tokens scored by Score")
-        self.malformed = Counter(p + "malformed_requests_total",
-                                 "requests whose bytes are not the request message, by RPC")
-        self.all = [self.requests, self.queue, self.running_g, self.queue_time, self.ttft,
-                    self.itl, self.step_time, self.tokens_in, self.tokens_out, self.scored,
-                    self.malformed]
+        self.requests = LabelledCounter(r, p + "requests_total",
+                                        "finished requests by RPC and outcome", ("outcome", "rpc"))
+        self.queue = Gauge(p + "queue_size", "Generate requests waiting for a batch slot",
+                           registry=r)
+        self.running_g = Gauge(p + "running_sequences", "sequences in the decode batch",
+                               registry=r)
+        hist = lambda name, doc: Histogram(p + name, doc, buckets=LATENCY_BUCKETS,  # noqa: E731
+                                           registry=r)
+        self.queue_time = hist("queue_time_seconds", "submitted -> admitted")
+        self.ttft = hist("time_to_first_token_seconds", "submitted -> first token")
+        self.itl = hist("inter_token_latency_seconds", "between consecutive tokens")
+        self.step_time = hist("decode_step_seconds", "one batched decode step")
+        self.tokens_in = LabelledCounter(r, p + "prompt_tokens_total", "prompt tokens admitted")
+        self.tokens_out = LabelledCounter(r, p + "generated_tokens_total", "tokens generated")
+        self.scored = LabelledCounter(r, p + "scored_tokens_total", "tokens scored by Score")
+        self.malformed = LabelledCounter(
+            r, p + "malformed_requests_total",
+            "requests whose bytes are not the request message, by RPC", ("rpc",))
+        self.prefix_hits = LabelledCounter(r, p + "prefix_cache_hit_tokens_total",
+                                           "prompt tokens whose KV rows came from the prefix "
+                                           "cache")
+        self.prefix_bytes = Gauge(p + "prefix_cache_bytes",
+                                  "memory of the prefix cache's block pool", registry=r)
+        self.spec_drafted = LabelledCounter(r, p + "spec_draft_tokens_total",
+                                            "speculative draft tokens verified")
+        self.spec_accepted = LabelledCounter(r, p + "spec_accepted_tokens_total",
+                                             "speculative draft tokens accepted")
 
     # engine hooks
     def queue_depth(self, n: int) -> None:
@@ -143,35 +103,31 @@ class Metrics:
     def step(self, batch: int, seconds: float) -> None:
         self.step_time.observe(seconds)
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for m in self.all:
-            lines += m.render()
-        return "\n".join(lines) + "\n"
+    def prefix_hit(self, tokens: int) -> None:
+        if tokens:
+            self.prefix_hits.inc(tokens)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.spec_drafted.inc(drafted)
+            self.spec_accepted.inc(accepted)
 
 
 class MetricsServer:
-    """GET /metrics on its own port, in a daemon thread."""
+    """GET /metrics on its own port, in a daemon thread (other paths: 404). The body is the
+    text format 0.0.4 by default, OpenMetrics when the scraper asks for it."""
 
     def __init__(self, metrics: Metrics, host: str, port: int):
-        m = metrics
+        base = MetricsHandler.factory(metrics.registry)
 
-        class H(http.server.BaseHTTPRequestHandler):
+        class Handler(base):
             def do_GET(self):  # noqa: N802
-                if self.path.split("?")[0] != "/metrics":
+                if urlparse(self.path).path != "/metrics":
                     self.send_error(404)
                     return
-                body = m.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                super().do_GET()
 
-            def log_message(self, *a):  # quiet
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer((host, port), H)
+        self.httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="kvserve-metrics",

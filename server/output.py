@@ -142,7 +142,7 @@ class OutputProcessor:
         ev = FinishEvent(reason=reason, prompt_tokens=len(seq.req.prompt_ids),
                          generated_tokens=len(seq.generated), text="".join(seq.text),
                          timings=t, stop_sequence=stop_sequence, stop_token_id=stop_token,
-                         error=error)
+                         error=error, cached_tokens=seq.cached_tokens)
         self.metrics.finished(reason.value, len(seq.generated))
         log.info("request %s finished: %s, prompt %d, generated %d, queue %.3fs, ttft %.3fs, "
                  "total %.3fs", seq.handle.request_id, reason.value, ev.prompt_tokens,

@@ -18,10 +18,6 @@ class Prompts:
         self.tok, self.lim = tokenizer, limits
         self.template, self.template_error = template, template_error
 
-    @property
-    def chat_available(self) -> bool:
-        return self.template is not None
-
     def text(self, text: str, name: str = "text") -> list[int]:
         return self.tok.encode(V.check_text(name, text, self.lim))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Callable
 
 from .domain import FinishReason, QueueFull
 from .interfaces import KVCache
@@ -32,6 +33,9 @@ class Scheduler:
         # the runner returns every row's)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.active: list[Sequence] = []  # active[i] lives in KV slot i
+        # called as on_leave(slot, seq) before a finished sequence's slot is given up (the
+        # prefix cache keeps its rows)
+        self.on_leave: Callable[[int, Sequence], None] | None = None
         self.waiting: collections.deque[Sequence] = collections.deque()
 
     # --- the queue (under the engine's lock) ---------------------------------------------------
@@ -114,6 +118,9 @@ class Scheduler:
 
     def retire_done(self) -> None:
         gone = [i for i, s in enumerate(self.active) if s.done]
+        if gone and self.on_leave is not None:
+            for i in gone:
+                self.on_leave(i, self.active[i])
         for i in reversed(gone):  # highest first: the last slot is never one still to remove
             last = len(self.active) - 1
             if i != last:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -64,6 +64,8 @@ class Sequence:
     staged: bool = False  # its events box can hold events back (a StagedSink)
     quiet: QuietRule | None = None  # when a step may only record the token (stopping.py)
     held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
+    drafting: Any = None  # speculation.Drafting where it may draft
+    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
     # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
     # index of the first token this call generates (server.resume)
     prefill_ids: list[int] = field(default_factory=list)

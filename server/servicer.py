@@ -191,7 +191,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 finish_reason=_FINISH[ev.reason], stop_sequence=ev.stop_sequence,
                 stop_token_id=ev.stop_token_id or 0, prompt_tokens=ev.prompt_tokens,
                 generated_tokens=ev.generated_tokens, request_id=rid, text=ev.text,
-                error=ev.error,
+                error=ev.error, cached_prompt_tokens=ev.cached_tokens,
                 timings=pb.Timings(queue_seconds=ev.timings.queue,
                                    time_to_first_token_seconds=ev.timings.ttft,
                                    total_seconds=ev.timings.total)))

@@ -8,7 +8,10 @@ from kvserve.model.config import ModelConfig
 
 # The figures, stated here (not imported) so a loosened constant in the code fails.
 LOGIT_TOL = 1e-4  # max |Δlogit| torch vs onnxruntime, fp32
-ATTN_TOL = 1e-5  # max |Δp| of attention probabilities
+ATTN_TOL = 1e-5  # max |Δp| of attention probabilities on the matrix's small shapes
+# the gate's attention bound on every shape: |Δp| <= ATTN_RTOL * p + ATTN_ATOL
+ATTN_RTOL = 5e-4
+ATTN_ATOL = 1e-6
 THREADS = 1  # onnxruntime threads in tests: the CI machine has 2 cores, shared
 
 # head_dim 16: onnxruntime's GroupQueryAttention on CPU needs a multiple of 16 (the fused graph)

@@ -2,7 +2,6 @@
 exported once as a fused and once as a portable artifact, and a runner of each kind."""
 from __future__ import annotations
 
-import logging
 
 import pytest
 
@@ -13,6 +12,7 @@ from export_matrix import MAIN, THREADS, make_model  # noqa: E402
 
 from kvserve.artifact.fused import FusedLM  # noqa: E402
 from kvserve.artifact.portable import PortableLM  # noqa: E402
+from kvserve.export.logs import quiet_torch_exporter  # noqa: E402
 from kvserve.export.pipeline import export_artifacts  # noqa: E402
 from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
 
@@ -22,7 +22,7 @@ def _one_torch_thread():
     """Tiny models: a second OpenMP thread only spins on a shared 2-core machine."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     yield
     torch.set_num_threads(before)
 

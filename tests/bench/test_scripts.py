@@ -1,11 +1,12 @@
-"""Smoke tests of the measuring scripts (``kvserve bench --profile``'s ``bench/profile.py`` and
-``bench/decode_cost.py``): each runs end to end on a tiny exported model with very few steps,
-through the real runners, engine and onnxruntime. Nothing here checks a speed; the figures
-must exist, be positive and fit together."""
+"""Smoke tests of the measuring scripts (``kvserve bench --profile``'s
+``bench/loop_profile.py`` and ``bench/decode_cost.py``): each runs end to end on a tiny exported
+model with very few steps, through the real runners, engine and onnxruntime. Nothing here checks
+a speed; the figures must exist, be positive and fit together."""
 from __future__ import annotations
 
 import json
-import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +21,13 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     tokenizer."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("onnxscript")
+    from kvserve.export.logs import quiet_torch_exporter
     from kvserve.model.checkpoint import save_checkpoint
     from kvserve.model.config import ModelConfig
     from kvserve.model.tokenizer import train_bpe
     from kvserve.model.transformer import Transformer
 
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     tok = train_bpe(TEXTS, vocab_size=300, min_frequency=1)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=64, n_layers=2, n_heads=4,
                       n_kv_heads=2, max_seq_len=512, eos_token_id=tok.eos_id,
@@ -46,7 +48,7 @@ def tiny_artifact(tiny_ckpt) -> Path:
 
 
 def test_profile_end_to_end(tiny_artifact, tmp_path):
-    from kvserve.bench.profile import profile_to
+    from kvserve.bench.loop_profile import profile_to
 
     out = tmp_path / "results"
     out.mkdir()
@@ -219,3 +221,13 @@ def test_runners_take_turns(tiny_artifact, tiny_ckpt, tmp_path):
     g = out["grpc"]["grpc"]
     assert g["concurrent_streams"] == 2 and g["single_tok_s"] > 0 and g["concurrent_tok_s"] > 0
     assert g["server_rss_peak_mb"] > 0
+
+
+def test_bench_runs_as_a_script_and_shadows_no_standard_module():
+    """``python bench/decode_cost.py`` puts bench/ first on sys.path: no module there may
+    take a standard library module's name (bench/profile.py once shadowed ``profile``)."""
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    assert not {p.stem for p in bench.glob("*.py")} & set(sys.stdlib_module_names)
+    r = subprocess.run([sys.executable, str(bench / "decode_cost.py"), "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: decode_cost.py"), r.stderr

@@ -123,7 +123,7 @@ def test_refused_request_one_line_error(cli, target):
     rc, out, err = cli("generate", PROMPT, "--server", target, "--top-p", "1.5")
     assert rc == 1 and out == ""
     assert err.strip().splitlines() == [
-        "kvserve generate: INVALID_ARGUMENT: sampling.top_p must be in (0, 1]"]
+        "kvserve generate: INVALID_ARGUMENT: sampling.top_p is 1.5; it must be in (0, 1]"]
 
 
 def test_stop_string_reported(cli, target, reference):

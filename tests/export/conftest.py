@@ -25,7 +25,6 @@ figures measured before the precision transform).
 """
 from __future__ import annotations
 
-import logging
 import shutil
 from pathlib import Path
 
@@ -36,6 +35,7 @@ pytest.importorskip("onnxscript")
 
 from export_matrix import BASE, EXPORTS, MAIN, THREADS, TEXTS, make_model  # noqa: E402
 
+from kvserve.export.logs import quiet_torch_exporter  # noqa: E402
 from kvserve.export.pipeline import export_artifacts  # noqa: E402
 from kvserve.model.checkpoint import load_model, save_checkpoint  # noqa: E402
 from kvserve.model.tokenizer import train_bpe  # noqa: E402
@@ -44,8 +44,7 @@ from kvserve.artifact.loader import load_lm  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def _quiet_exporter():
-    # the exporter logs one warning per optional torchvision op
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from export_matrix import ATTN_TOL, LOGIT_TOL, THREADS
+from export_matrix import ATTN_RTOL, ATTN_TOL, LOGIT_TOL, THREADS
 
 from kvserve.artifact.loader import load_lm
 from kvserve.export import fused
@@ -105,6 +105,7 @@ def test_option_exports_fused_and_passes_the_gate(exported, name):
     assert 0.0 <= p["max_abs_logit_decode"] <= LOGIT_TOL
     assert p["greedy_tokens_equal"] is True and p["token_agreement"] == 1.0
     assert p["max_abs_attention"] is not None and p["max_abs_attention"] <= ATTN_TOL
+    assert 0.0 <= p["max_rel_attention"] <= ATTN_RTOL
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))

@@ -46,8 +46,11 @@ def test_gate_rules():
         gate(dataclasses.replace(ok, greedy_tokens_equal=False, token_agreement=189 / 192),
              LOGIT_TOL)
     gate(dataclasses.replace(ok, greedy_tokens_equal=False), LOGIT_TOL, require_tokens=False)
-    with pytest.raises(ParityError, match=r"attention max \|Δ\| 2e-05 > 1e-05"):
-        gate(dataclasses.replace(ok, max_abs_attention=2e-5), LOGIT_TOL)
+    # attention: relative to each probability (test_attention_gate.py has the exports)
+    gate(dataclasses.replace(ok, max_abs_attention=1.63e-5, max_rel_attention=6e-5), LOGIT_TOL)
+    with pytest.raises(ParityError, match=r"attention max \|Δp\|/\(p \+ 0\.002\) 0\.0008 > "
+                                          r"0\.0005 \(\|Δp\| <= 0\.0005 p \+ 1e-06 fails"):
+        gate(dataclasses.replace(ok, max_abs_attention=2e-5, max_rel_attention=8e-4), LOGIT_TOL)
 
 
 def test_gate_catches_a_changed_torch_weight(main_model, main_lm):

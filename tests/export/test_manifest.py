@@ -87,9 +87,10 @@ def test_parity_and_perplexity_figures(manifest):
     p = manifest["parity"]["fp32"]
     assert set(p) == {"max_abs_logit_prefill", "max_abs_logit_decode", "decode_steps", "batch",
                       "greedy_tokens_equal", "token_agreement", "max_abs_attention",
-                      "tolerance"}
+                      "tolerance", "max_rel_attention", "attention_rtol"}
     assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL
     assert p["max_abs_attention"] <= 1e-5 and p["greedy_tokens_equal"]
+    assert p["max_rel_attention"] <= p["attention_rtol"] == 5e-4
     ppl = manifest["perplexity"]  # the checkpoint has a tokenizer: figures on a stdlib text
     assert ppl["fp32"] > 1.0 and ppl["eval_tokens"] >= 16
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.model.config import FFNS, NORMS, PLACEMENTS, POSITIONS
 
-from export_matrix import CONFIGS, EXPORTS, LOGIT_TOL, make_config
+from export_matrix import ATTN_RTOL, CONFIGS, EXPORTS, LOGIT_TOL, make_config
 
 
 def test_matrix_covers_every_option():
@@ -51,6 +51,7 @@ def test_parity_fp32(store, name):
     assert set(m["graphs"]) == ({"model", "model_attn"} if attention else {"model"})
     if attention:
         assert p["max_abs_attention"] is not None and p["max_abs_attention"] <= 1e-5
+        assert 0.0 <= p["max_rel_attention"] <= ATTN_RTOL and p["attention_rtol"] == ATTN_RTOL
 
 
 def test_parity_portable(store):
@@ -63,6 +64,7 @@ def test_parity_portable(store):
     p = m["parity"]["fp32"]
     assert max(p["max_abs_logit_prefill"], p["max_abs_logit_decode"]) <= LOGIT_TOL
     assert p["greedy_tokens_equal"] is True and p["max_abs_attention"] <= 1e-5
+    assert p["max_rel_attention"] <= ATTN_RTOL
 
 
 def test_head_dim_the_fused_op_cannot_take_falls_back_to_portable(tmp_path, tokenizer_json):

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 def test_quantizer_info_is_filtered_warnings_are_not(tmp_path):
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from kvserve.export.cli import _quiet_quantizer, quiet_exporter_logs
+    from kvserve.export.logs import quiet_exporter_logs, quiet_quantizer
 
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
     g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
@@ -27,7 +27,7 @@ def test_quantizer_info_is_filtered_warnings_are_not(tmp_path):
             seen.append(record)
 
     root, handler, level = logging.getLogger(), Keep(), logging.getLogger().level
-    root.removeFilter(_quiet_quantizer)  # an earlier `kvserve export` in this process set it
+    root.removeFilter(quiet_quantizer)  # an earlier `kvserve export` in this process set it
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     try:
@@ -42,6 +42,6 @@ def test_quantizer_info_is_filtered_warnings_are_not(tmp_path):
         logging.info("kvserve's own INFO")  # only the quantizer's records are filtered
         assert seen[-1].getMessage() == "kvserve's own INFO"
     finally:
-        root.removeFilter(_quiet_quantizer)
+        root.removeFilter(quiet_quantizer)
         root.removeHandler(handler)
         root.setLevel(level)

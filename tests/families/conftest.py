@@ -6,7 +6,6 @@ takes a second, a portable one, ``family_models.PORTABLE``, a dynamo export of m
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from family_models import (CASES, PORTABLE, PROMPT, SPIECE, build, save,  # noqa: E402
                            sentencepiece_tokenizer)
+from kvserve.export.logs import quiet_torch_exporter  # noqa: E402
 from kvserve_testing import TRAIN_TEXTS, ready_channel, running_app  # noqa: E402
 
 FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3_longrope",
@@ -56,7 +56,7 @@ def pick_eos(hf) -> dict[int, int]:
 
 @pytest.fixture(scope="package", autouse=True)
 def _setup():
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    quiet_torch_exporter()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -44,11 +44,6 @@ def raw(base: pb.GenerateRequest, field: int, inner_field: int) -> bytes:
     return base.SerializeToString() + bytes([(field << 3) | 2, len(inner)]) + inner
 
 
-def ids_req(*ids):
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(ids)),
-                              stopping=pb.StoppingOptions(max_new_tokens=4))
-
-
 def empty_ids_req():
     r = pb.GenerateRequest(stopping=pb.StoppingOptions(max_new_tokens=4))
     r.token_ids.SetInParent()

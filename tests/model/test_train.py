@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from kvserve.cli import main as cli
+from kvserve.model import run_dir as R
 from kvserve.model import train as T
 from kvserve.model.checkpoint import load_model
 from kvserve.model.tokenizer import Tokenizer
+from kvserve.model.train_config import TRAIN_CONFIG, TrainConfig
 
 TINY = ["--preset", "tiny", "--vocab-size", "320", "--val-fraction", "0.2", "--batch-size", "4",
         "--seq-len", "32", "--eval-every", "5", "--eval-batches", "2", "--warmup-steps", "3",
@@ -59,7 +61,10 @@ def test_checkpoint_layout_and_learning(tmp_path, tiny_corpus, capsys):
     run = tmp_path / "run"
     names = {p.name for p in run.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", T.OPTIMIZER, T.STATE,
-            T.METRICS} <= names
+            T.METRICS, TRAIN_CONFIG} <= names
+    tc = TrainConfig.load(run / TRAIN_CONFIG)  # the run's config, rebuilt from its file
+    assert (tc.preset, tc.max_steps, tc.eval_every, tc.seq_len, tc.out) == (
+        "tiny", 40, 20, 32, str(run))
     assert not list(tmp_path.glob(".run.*"))  # no temp/old dirs left behind
     tok = Tokenizer.from_file(run / "tokenizer.json")
     model = load_model(run)
@@ -141,13 +146,13 @@ def test_atomic_swap_and_recovery(tmp_path):
     tmp = tmp_path / ".ck.tmp-1"
     tmp.mkdir()
     (tmp / "model.safetensors").write_text("new")
-    T.swap_dir(tmp, out)
+    R.swap_dir(tmp, out)
     assert (out / "model.safetensors").read_text() == "new"
     assert (out / "user-notes.txt").read_text() == "keep me"
     assert not tmp.exists() and not (tmp_path / ".ck.old").exists()
     # a crash between the two renames leaves only the old dir: it is restored
     out.rename(tmp_path / ".ck.old")
-    T.recover_checkpoint_dir(out)
+    R.recover_checkpoint_dir(out)
     assert (out / "model.safetensors").read_text() == "new"
 
 

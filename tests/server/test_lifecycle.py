@@ -100,14 +100,25 @@ def test_health_reflection_and_metrics(channel, app, stub):
     names = {s.name for s in resp.list_services_response.service}
     assert {"kvserve.v1.Inference", "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection"} <= names
+    url = f"http://127.0.0.1:{app.metrics_server.port}/metrics"
+    scrape = lambda: urllib.request.urlopen(url, timeout=5).read().decode()  # noqa: E731
+
+    def val(body: str, sample: str) -> float:
+        m = re.search("^" + re.escape(sample) + r" (\S+)$", body, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    done = 'kvserve_requests_total{outcome="length",rpc="Generate"}'
+    before = scrape()
     collect(stub.Generate(gen_request("x", 3)))
-    body = urllib.request.urlopen(
-        f"http://127.0.0.1:{app.metrics_server.port}/metrics", timeout=5).read().decode()
+    body = scrape()
     for name in ("kvserve_queue_size", "kvserve_running_sequences",
                  "kvserve_time_to_first_token_seconds_bucket",
                  "kvserve_inter_token_latency_seconds_count", "kvserve_generated_tokens_total",
-                 'kvserve_requests_total{outcome="length",rpc="Generate"}'):
+                 done, "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert name in body
+    assert val(body, done) == val(before, done) + 1
+    assert (val(body, "kvserve_generated_tokens_total")
+            == val(before, "kvserve_generated_tokens_total") + 3)
 
 
 def test_tls_and_bearer_auth(artifact, tmp_path):

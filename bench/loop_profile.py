@@ -25,7 +25,8 @@ import tracemalloc
 from pathlib import Path
 
 from .common import RESULTS
-from .runners import EngineRunner, LoopRunner, prompts_for
+from .runner_base import prompts_for
+from .runner_kvserve import EngineRunner, LoopRunner
 
 
 # --- 1. raw loop split -------------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""The prefix cache's device side: a pool of fixed-size KV blocks, and the two copies between a
+KV slot and the pool. Which blocks hold which tokens is ``kvserve.server.prefix_cache``'s job.
+
+A block is ``block_tokens`` consecutive rows of every layer's keys and values:
+per layer, K and V pools of shape (n_blocks, Hkv, block_tokens, D). The pool is allocated once,
+at its full size (``n_blocks`` from the byte cap), so it never grows past the cap; on CPU the
+pages of blocks never written are not resident.
+
+``FusedPrefixPool`` keeps the blocks where the fused runner keeps its cache (an OrtValue per
+tensor on the provider's device) and copies with two small onnxruntime graphs on the same
+provider, so the CPU tests run the code path CUDA runs, and each copy is ONE run for all
+layers and all blocks:
+
+- ``save`` (slot rows -> blocks): per tensor, the slot (Hkv, C, D) seen as
+  (Hkv, C / bt, bt, D), Gather of the slot's block indices on axis 1, Transpose to
+  (m, Hkv, bt, D), ScatterND into the pool at the pool's block ids. The ScatterND output is
+  bound to the pool's own memory, which onnxruntime (CPU and CUDA) then updates in place
+  instead of copying the pool first.
+- ``load`` (blocks -> a slot's first rows): per tensor, Gather of the block ids on axis 0,
+  Transpose to (Hkv, m, bt, D), Reshape (Hkv, m * bt, D), Pad to (Hkv, C, D), the output bound
+  to the slot's memory. The slot's rows after the prefix are zeroed: ``load`` takes an empty
+  slot only (its next rows are prefilled right after).
+
+``NumpyPrefixPool`` is the same for the portable runner's host buffers (numpy copies).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import CAPACITY_CHUNK
+
+MAX_BLOCK_TOKENS = CAPACITY_CHUNK  # a block must divide the KV capacity chunk
+
+
+def block_bytes(cfg, block_tokens: int, itemsize: int) -> int:
+    """Bytes of one block: K and V rows of every layer."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * block_tokens * cfg.head_dim * itemsize
+
+
+class _PoolBase:
+    def __init__(self, cfg, n_blocks: int, block_tokens: int, itemsize: int):
+        if block_tokens < 1 or CAPACITY_CHUNK % block_tokens:
+            raise ValueError(f"block_tokens must divide {CAPACITY_CHUNK}, got {block_tokens}")
+        if n_blocks < 1:
+            raise ValueError("a prefix pool needs at least one block")
+        self.cfg, self.n_blocks, self.block_tokens = cfg, n_blocks, block_tokens
+        self.block_bytes = block_bytes(cfg, block_tokens, itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """The pool's memory (allocated once: the gauge ``kvserve_prefix_cache_bytes``)."""
+        return self.n_blocks * self.block_bytes
+
+    def _check_save(self, kv, slot: int, slot_blocks, pool_blocks) -> None:
+        if len(slot_blocks) != len(pool_blocks):
+            raise ValueError("one pool block per slot block")
+        if slot_blocks and (max(slot_blocks) + 1) * self.block_tokens > kv.used[slot]:
+            raise ValueError(f"slot {slot} has {kv.used[slot]} rows: block "
+                             f"{max(slot_blocks)} is not filled")
+
+    def _check_load(self, kv, slot: int) -> None:
+        if kv.used[slot] != 0:
+            raise ValueError(f"load into slot {slot}, which holds {kv.used[slot]} rows "
+                             "(cached prefixes go into an empty slot)")
+
+
+class FusedPrefixPool(_PoolBase):
+    """Blocks on the fused runner's device (``lm``: a ``FusedLM``)."""
+
+    def __init__(self, lm, n_blocks: int, block_tokens: int):
+        super().__init__(lm.cfg, n_blocks, block_tokens, lm.ops.dtype.itemsize)
+        import onnxruntime as ort  # (the server's install has it; imported where used)
+
+        self.device, self.dtype = lm.device, lm.ops.dtype
+        cfg = lm.cfg
+        shape = (n_blocks, cfg.n_kv_heads, block_tokens, cfg.head_dim)
+        self.k = [lm.ops.allocate(shape) for _ in range(cfg.n_layers)]
+        self.v = [lm.ops.allocate(shape) for _ in range(cfg.n_layers)]
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
+        self._save = ort.InferenceSession(_save_graph(2 * cfg.n_layers, self.dtype,
+                                                      block_tokens, cfg.head_dim), so, providers=lm.providers)
+        self._load = ort.InferenceSession(_load_graph(2 * cfg.n_layers, self.dtype), so,
+                                          providers=lm.providers)
+
+    def _pairs(self, kv):
+        return [*zip(kv.k, self.k), *zip(kv.v, self.v)]
+
+    def save(self, kv, slot: int, slot_blocks: list[int], pool_blocks: list[int]) -> None:
+        """Copy the slot's row blocks ``slot_blocks`` (block j = rows [j*bt, (j+1)*bt)) into
+        the pool's blocks ``pool_blocks``: one onnxruntime run."""
+        self._check_save(kv, slot, slot_blocks, pool_blocks)
+        if not slot_blocks:
+            return
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+        b = self._save.io_binding()
+        b.bind_cpu_input("rows", np.asarray(slot_blocks, np.int64))
+        b.bind_cpu_input("ids", np.asarray(pool_blocks, np.int64)[:, None])
+        slot_shape = [cfg.n_kv_heads, kv.capacity, cfg.head_dim]
+        pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
+        for i, (buf, pool) in enumerate(self._pairs(kv)):
+            b.bind_input(f"x{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
+            b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+            b.bind_output(f"y{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+        self._save.run_with_iobinding(b)
+
+    def load(self, kv, slot: int, pool_blocks: list[int]) -> None:
+        """The empty ``slot``'s first len(pool_blocks) * bt rows from the pool's blocks, in
+        order; ``kv.used[slot]`` becomes that: one onnxruntime run."""
+        self._check_load(kv, slot)
+        if not pool_blocks:
+            return
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+        rows = len(pool_blocks) * self.block_tokens
+        kv.ensure_capacity(rows + 1)
+        C = kv.capacity
+        b = self._load.io_binding()
+        b.bind_cpu_input("ids", np.asarray(pool_blocks, np.int64))
+        b.bind_cpu_input("shape", np.array([cfg.n_kv_heads, rows, cfg.head_dim], np.int64))
+        b.bind_cpu_input("pads", np.array([0, 0, 0, 0, C - rows, 0], np.int64))
+        slot_shape = [cfg.n_kv_heads, C, cfg.head_dim]
+        pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
+        for i, (buf, pool) in enumerate(self._pairs(kv)):
+            b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+            b.bind_output(f"y{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
+        self._load.run_with_iobinding(b)
+        kv.used[slot] = rows
+
+    def block_rows(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """One block's (Hkv, bt, D) keys and values, copied to the host (tests, tools)."""
+        return self.k[layer].numpy()[block], self.v[layer].numpy()[block]
+
+
+def _model(nodes, inputs, outputs, inits=()) -> bytes:
+    from onnx import helper
+
+    g = helper.make_graph(nodes, "prefix_pool", inputs, outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def _save_graph(n: int, dtype, bt: int, d: int) -> bytes:
+    from onnx import TensorProto, helper
+
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    shape = helper.make_tensor("blocked", TensorProto.INT64, [4], [0, -1, bt, d])
+    inputs = [helper.make_tensor_value_info("rows", TensorProto.INT64, ["m"]),
+              helper.make_tensor_value_info("ids", TensorProto.INT64, ["m", 1])]
+    outputs, nodes = [], []
+    for i in range(n):
+        inputs += [helper.make_tensor_value_info(f"x{i}", t, ["h", "c", "d"]),
+                   helper.make_tensor_value_info(f"p{i}", t, ["nb", "h", "bt", "d"])]
+        outputs.append(helper.make_tensor_value_info(f"y{i}", t, ["nb", "h", "bt", "d"]))
+        nodes += [helper.make_node("Reshape", [f"x{i}", "blocked"], [f"r{i}"]),  # (h, c/bt, bt, d)
+                  helper.make_node("Gather", [f"r{i}", "rows"], [f"g{i}"], axis=1),
+                  helper.make_node("Transpose", [f"g{i}"], [f"u{i}"], perm=[1, 0, 2, 3]),
+                  helper.make_node("ScatterND", [f"p{i}", "ids", f"u{i}"], [f"y{i}"])]
+    return _model(nodes, inputs, outputs, [shape])
+
+
+def _load_graph(n: int, dtype) -> bytes:
+    from onnx import TensorProto, helper
+
+    t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, ["m"]),
+              helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
+              helper.make_tensor_value_info("pads", TensorProto.INT64, [6])]
+    outputs, nodes = [], []
+    for i in range(n):
+        inputs.append(helper.make_tensor_value_info(f"p{i}", t, ["nb", "h", "bt", "d"]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", t, ["h", "c", "d"]))
+        nodes += [helper.make_node("Gather", [f"p{i}", "ids"], [f"g{i}"], axis=0),
+                  helper.make_node("Transpose", [f"g{i}"], [f"t{i}"], perm=[1, 0, 2, 3]),
+                  helper.make_node("Reshape", [f"t{i}", "shape"], [f"r{i}"]),
+                  helper.make_node("Pad", [f"r{i}", "pads"], [f"y{i}"])]
+    return _model(nodes, inputs, outputs)
+
+
+class NumpyPrefixPool(_PoolBase):
+    """Blocks in host memory for the portable runner's ``KVBuffers`` (numpy copies); ``cfg``
+    the model's ``ModelConfig``."""
+
+    def __init__(self, cfg, n_blocks: int, block_tokens: int):
+        super().__init__(cfg, n_blocks, block_tokens, np.dtype(np.float32).itemsize)
+        shape = (n_blocks, cfg.n_kv_heads, block_tokens, cfg.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+
+    def save(self, kv, slot: int, slot_blocks: list[int], pool_blocks: list[int]) -> None:
+        self._check_save(kv, slot, slot_blocks, pool_blocks)
+        if not slot_blocks:
+            return
+        bt, cfg = self.block_tokens, self.cfg
+        src = np.asarray(slot_blocks)
+        for buf, pool in (*zip(kv.k, self.k), *zip(kv.v, self.v)):
+            blocked = buf[slot, :, :kv.capacity].reshape(cfg.n_kv_heads, -1, bt, cfg.head_dim)
+            pool[pool_blocks] = blocked[:, src].transpose(1, 0, 2, 3)
+
+    def load(self, kv, slot: int, pool_blocks: list[int]) -> None:
+        self._check_load(kv, slot)
+        if not pool_blocks:
+            return
+        rows, cfg = len(pool_blocks) * self.block_tokens, self.cfg
+        kv.ensure_capacity(rows + 1)
+        for buf, pool in (*zip(kv.k, self.k), *zip(kv.v, self.v)):
+            buf[slot, :, :rows] = pool[pool_blocks].transpose(1, 0, 2, 3).reshape(
+                cfg.n_kv_heads, rows, cfg.head_dim)
+        kv.mask[slot, :kv.capacity] = 0
+        kv.mask[slot, :rows] = 1
+        kv.used[slot] = rows
+
+    def block_rows(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.k[layer][block].copy(), self.v[layer][block].copy()
+
+
+def make_prefix_pool(lm, cap_bytes: int, block_tokens: int):
+    """The pool for ``lm``'s kind with as many blocks as ``cap_bytes`` holds (None: not even
+    one block fits, i.e. the cache is off)."""
+    itemsize = lm.ops.dtype.itemsize if lm.kind == "fused" else 4
+    n = int(cap_bytes) // block_bytes(lm.cfg, block_tokens, itemsize)
+    if n < 1:
+        return None
+    if lm.kind == "fused":
+        return FusedPrefixPool(lm, n, block_tokens)
+    return NumpyPrefixPool(lm.cfg, n, block_tokens)

@@ -1,0 +1,69 @@
+"""What every benchmark runner shares: the ``Runner`` interface (``bench/runners.py`` says
+what each operation measures), the fixed prompts, this process's RSS."""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from .common import memory_mb
+
+STEP_BLOCK = 4  # timed decode steps at one position before the next position's
+
+
+def rss_peak_mb() -> float:
+    """This process's peak RSS (MiB)."""
+    return memory_mb("VmHWM")
+
+
+def rss_now_mb() -> float:
+    return memory_mb("VmRSS")
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """Fixed random prompts (B, P), never the special ids 0/1."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(2, vocab, size=(batch, length), dtype=np.int64)
+
+
+class Runner:
+    name = "?"
+    has_steps = False
+    has_score = False
+    has_stream = False
+
+    def generate(self, prompts: np.ndarray, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def stream(self, prompt: np.ndarray, n: int) -> list[float]:
+        raise NotImplementedError
+
+    def walker(self, position: int, steps: int, batch: int = 1):
+        """A sequence of ``batch`` rows at ``position`` with room for ``steps`` more tokens;
+        returns step() -> seconds of one greedy decode step (the step timed alone)."""
+        raise NotImplementedError
+
+    def steps_ms(self, positions: list[int], steps: int, batch: int = 1,
+                 block: int = STEP_BLOCK) -> dict[str, float]:
+        """Median decode step (ms) at each position, the positions measured interleaved in
+        blocks of ``block`` timed steps, each block after an untimed one (a runner switching
+        caches rebuilds its binding): the machine's speed drift spreads over every position
+        instead of biasing one, so their ratio is the runner's own."""
+        walk = {p: self.walker(p, steps + steps // block + 1, batch) for p in positions}
+        times: dict[int, list[float]] = {p: [] for p in positions}
+        while any(len(t) < steps for t in times.values()):
+            for p in positions:
+                walk[p]()
+                for _ in range(min(block, steps - len(times[p]))):
+                    times[p].append(walk[p]())
+        return {str(p): 1000 * statistics.median(t) for p, t in times.items()}
+
+    def score(self, seqs: list[list[int]]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def extra(self) -> dict:
+        """Figures of its own for the results (the gRPC server's peak RSS)."""
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,239 @@
+"""The engine's model calls: what the scheduler decided, run on the runner (vLLM's model
+runner). Prefill of admitted sequences (batched, chunked, or from a cached prefix), one decode
+step for the batch, or one verification step when sequences have speculative drafts. Each call's
+logits rows go to the sampler, and the chosen tokens to the output processor.
+
+Prefix cache: an admitted sequence takes the longest cached prefix of its prompt (whole
+blocks: ``server.prefix_cache``), its rows copied into its slot on the device, and only the
+rest is prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
+it leaves. Sequences admitted together whose prompts begin with the same block are prefilled
+one after the other, so a shared prefix is computed once. What is prefilled is the sequence's
+``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
+(``server.resume``), so a stream resumed on the replica it left finds them cached.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .interfaces import EngineMetrics, Runner
+from .output import OutputProcessor
+from .sampler import sample_row
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .spec_verify import accepted_count, verify_row
+from .speculation import Speculator
+
+
+class ModelRunner:
+    def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
+                 metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None):
+        self.lm, self.sched, self.output = lm, sched, output
+        self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
+        self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
+        self.prefix = prefix  # server.prefix_cache.PrefixCache or None
+        self.spec = speculator
+        self.steps = 0
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self._metrics_of()
+
+    # --- prefill -------------------------------------------------------------------------------
+    def prefill(self, plain: list[Sequence], attn: list[Sequence]) -> None:
+        """Admitted sequences into the next free slots: their first tokens are chosen."""
+        later: list[Sequence] = []
+        if self.prefix is not None:
+            plain, later = self._split_cached(plain)
+        for group in self.sched.prefill_groups(plain):
+            self._prefill(group, attention=False)
+        for seq in later:  # (their blocks may be cached by now)
+            self._prefill_cached(seq)
+        for seq in attn:
+            self._prefill([seq], attention=True)
+
+    def _split_cached(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """(batched, one by one): a sequence goes one by one when part of its prompt is cached
+        or when an earlier one of this admission begins with the same block."""
+        bt = self.prefix.block_tokens
+        seen: set[tuple] = set()
+        batched, later = [], []
+        for seq in seqs:
+            ids = seq.prefill_ids
+            first = tuple(ids[:bt]) if len(ids) > bt else None
+            if first is not None and (first in seen or self._cached(ids)):
+                later.append(seq)
+            else:
+                batched.append(seq)
+            if first is not None:
+                seen.add(first)
+        return batched, later
+
+    def _cached(self, ids: list[int]) -> bool:
+        blocks, n = self.prefix.match(ids)
+        self.prefix.release(blocks)
+        return n > 0
+
+    def _prefill(self, group: list[Sequence], attention: bool) -> None:
+        # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
+        chunk = self.sched.chunk_tokens if attention else self.sched.prefill_tokens()
+        lens = [min(len(s.prefill_ids), chunk) for s in group]
+        active, kv = self.sched.active, self.sched.kv
+        lo = len(active)  # the group takes the next free slots, in order
+        res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
+                              attention=attention, last=True)  # (1, V) each: the last row
+        for b, (seq, n) in enumerate(zip(group, lens)):
+            active.append(seq)
+            ids = seq.prefill_ids
+            if n < len(ids):
+                if attention:  # the rest goes through decode steps, which carry attention
+                    seq.forced.extend(ids[n:])
+                    seq.feed = seq.forced.popleft()
+                    continue
+                last = self._extend(lo + b, ids, n)
+                self._cache_prompt(lo + b, seq)
+                self.choose(seq, last, None)
+                continue
+            rows = None
+            if attention:  # the last prompt token's attention over the prompt
+                rows = [(layer, h, res.attention[b][layer, h, n - 1])
+                        for layer in seq.req.output.attention_layers
+                        for h in seq.req.output.attention_heads]
+            else:
+                self._cache_prompt(lo + b, seq)
+            self.choose(seq, res.logits[b][-1], rows)
+
+    def _prefill_cached(self, seq: Sequence) -> None:
+        """One sequence: its prompt's longest cached prefix restored, the rest prefilled."""
+        kv, active = self.sched.kv, self.sched.active
+        slot = len(active)
+        blocks, n = self.prefix.match(seq.prefill_ids)
+        try:
+            if n:
+                kv.used[slot] = 0  # (an empty slot: the scheduler leaves them so)
+                self.prefix.restore(kv, slot, blocks)
+        finally:
+            self.prefix.release(blocks)
+        seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)
+        self.metrics.prefix_hit(n)
+        active.append(seq)
+        last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
+        self._cache_prompt(slot, seq)
+        self.choose(seq, last, None)
+
+    def _cache_prompt(self, slot: int, seq: Sequence) -> None:
+        if self.prefix is not None:
+            self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
+
+    def cache_tokens(self, slot: int, seq: Sequence) -> None:
+        """A leaving sequence's rows (prompt and generated tokens) into the prefix cache."""
+        if self.prefix is not None and not seq.forced:
+            self.prefix.insert(self.sched.kv, slot, seq.tokens())
+
+    def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
+        """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``
+        (LongRoPE's portable runner: of ``chunk_tokens``) after the slot's rows so far.
+        Returns the last row of logits (V,)."""
+        kv = self.sched.kv
+        if self.longrope is not None:  # a prompt past its limit: long factors from row 0
+            last = self.longrope.extend(self.lm, kv, slot, ids, start, self.sched.chunk_tokens)
+            if last is not None:
+                return last
+        step = self.sched.prefill_tokens()
+        for a in range(start, len(ids), step):
+            chunk = np.asarray(ids[a:a + step], np.int64)
+            last = self.lm.extend(kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
+        return last
+
+    # --- decoding ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One model call for every active sequence: a verification step where drafts are
+        worth it, else a decode step."""
+        drafts = self.spec.drafts(self.sched.active) if self.spec is not None else None
+        if drafts is not None:
+            self._verify_step(drafts)
+        else:
+            self._decode_step()
+
+    def _decode_step(self) -> None:
+        active, kv = self.sched.active, self.sched.kv
+        n = len(active)
+        attention = any(s.wants_attention and not s.forced for s in active)
+        tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
+        if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
+            # events handed over before that refill, which may take a while)
+            self.longrope.before_decode(self.lm, kv, n, lambda slot: active[slot].tokens(),
+                                        self.sched.chunk_tokens,
+                                        before_refill=self.output.wake_staged)
+        t0 = time.monotonic()
+        logits, attn = self.lm.decode(kv, n, tokens, attention=attention)
+        self.steps += 1
+        now = time.monotonic()
+        self.metrics.step(n, now - t0)
+        if self.spec is not None:
+            self.spec.backoff.plain_step(n, now - t0)
+        # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
+        # over the batch (V,) rows at once: the same token sample_row would pick
+        plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
+                 for s in active]
+        argmax = logits[:n].argmax(axis=1).tolist() if any(plain) else None
+        hold = self.output.hold
+        for i, seq in enumerate(active):
+            if seq.forced:
+                seq.feed = seq.forced.popleft()
+                continue
+            if plain[i] and seq.quiet is not None and seq.quiet.quiet(argmax[i],
+                                                                      len(seq.generated)):
+                hold(seq, argmax[i], now)
+                continue
+            rows = None
+            if attn is not None and seq.wants_attention:
+                rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
+                        for layer in seq.req.output.attention_layers
+                        for h in seq.req.output.attention_heads]
+            self.choose(seq, logits[i], rows, argmax[i] if plain[i] else None)
+
+    def _verify_step(self, drafts: list[list[int]]) -> None:
+        """Every row feeds its token and its draft in one call; each keeps the tokens the plain
+        path would have chosen (``spec_verify``), and its cache the rows of those tokens."""
+        active, kv = self.sched.active, self.sched.kv
+        n = len(active)
+        before = kv.used[:n].tolist()
+        t0 = time.monotonic()
+        logits = self.lm.verify(kv, n, [[s.feed, *d] for s, d in zip(active, drafts)])
+        self.steps += 1
+        now = time.monotonic()
+        self.metrics.step(n, now - t0)
+        emitted = 0
+        for i, (seq, draft) in enumerate(zip(active, drafts)):
+            toks = verify_row(logits[i], draft, lambda j, row, s=seq: self._take(s, row, now),
+                              lambda tok, s=seq: s.done)
+            kv.truncate(i, before[i] + len(toks))
+            emitted += len(toks)
+            accepted = accepted_count(draft, toks)
+            self.spec.record(seq, len(draft), accepted)
+            self.metrics.speculated(len(draft), accepted)
+        self.spec.backoff.verify_step(n, now - t0, emitted)
+
+    def _take(self, seq: Sequence, row: np.ndarray, now: float) -> int:
+        """The token ``seq`` takes from ``row`` (its plain path's choice), handed over."""
+        k = len(seq.generated)
+        if seq.argmax_from is not None and k >= seq.argmax_from:
+            tok = int(row.argmax())
+            if seq.quiet is not None and seq.quiet.quiet(tok, k):
+                self.output.hold(seq, tok, now)
+                return tok
+            self.output.accept(seq, tok, row, None)
+            return tok
+        tok = sample_row(row, seq.req, seq.generated, seq.rng, self.output.eos_ids)
+        self.output.accept(seq, tok, row, None)
+        return tok
+
+    def choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None
+               ) -> None:
+        """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
+        by the batch's greedy argmax) and hand it to the output processor."""
+        if tok is None:
+            tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.output.eos_ids)
+        self.output.accept(seq, tok, raw, attention)

@@ -1,0 +1,130 @@
+"""N-gram prompt lookup: draft tokens for speculative decoding from the sequence's own tokens
+(prompt + generated), without a draft model (vLLM's ``ngram`` proposer, llama.cpp's lookup
+decoding).
+
+For n from ``max_n`` down to ``min_n``: find the most recent *earlier* occurrence of the
+sequence's last n tokens, and propose up to ``k`` tokens that followed it. The first n that
+matches wins (the longest match). When the continuation runs into the end of the sequence
+(a loop whose period is shorter than ``k``: ``_get_get_get``), the copy goes on through the
+tokens it has just proposed, so a loop of period p still gets a k-token draft (vLLM stops at
+the sequence's end).
+
+``NgramIndex`` keeps, per n, a dict n-gram -> the position just after its most recent earlier
+occurrence, updated as tokens are appended (O(max_n - min_n + 1) dict writes per token), so
+a proposal is at most ``max_n - min_n + 1`` dict lookups plus the k-token copy, whatever the
+context length: no rescan. Pure Python, no numpy.
+
+Drafts only decide how much work a verification call can save: a wrong draft costs a rejected
+row, never a wrong token (``kvserve.server.spec_verify``).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_N = 4  # the longest n-gram looked up (vLLM's prompt_lookup_max examples use 4)
+MIN_N = 2  # a single-token match proposes too often on natural text
+MAX_K = 16  # an upper bound on a draft's length (every numeric field has one)
+
+
+class NgramIndex:
+    """The n-gram index of one sequence: ``extend`` it with the prompt, ``append`` each
+    accepted token, and ask ``propose(k)`` before a step."""
+
+    def __init__(self, tokens: Iterable[int] = (), min_n: int = MIN_N, max_n: int = MAX_N):
+        if not 1 <= min_n <= max_n <= 64:
+            raise ValueError(f"need 1 <= min_n <= max_n <= 64, got min_n={min_n} max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        # per n (index n - min_n): n-gram -> end (exclusive) of its most recent occurrence
+        # that has a following token, i.e. an occurrence ending before len(tokens)
+        self._last: list[dict[tuple, int]] = [{} for _ in range(max_n - min_n + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        """One more token of the sequence: the n-grams ending just before it now have a
+        follower, so they become proposable."""
+        t = self.tokens
+        end = len(t)
+        t.append(token)
+        for i, table in enumerate(self._last):
+            n = self.min_n + i
+            if end >= n:
+                table[tuple(t[end - n:end])] = end
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for tok in tokens:
+            self.append(int(tok))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` draft tokens (fewer or none when nothing matches)."""
+        if k <= 0:
+            return []
+        k = min(k, MAX_K)
+        t = self.tokens
+        L = len(t)
+        for i in range(len(self._last) - 1, -1, -1):
+            n = self.min_n + i
+            if L < n:
+                continue
+            e = self._last[i].get(tuple(t[L - n:]))
+            if e is None:
+                continue
+            draft = t[e:e + k]  # up to the sequence's end ...
+            shift = L - e
+            while len(draft) < k:  # ... then the copy continues through the draft itself
+                draft.append(draft[len(draft) - shift])
+            return draft
+        return []
+
+
+def propose(tokens: list[int], k: int, min_n: int = MIN_N, max_n: int = MAX_N) -> list[int]:
+    """The same proposal without an index (a scan: tests and one-off use)."""
+    L = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if L < n + 1 or k <= 0:
+            continue
+        tail = tokens[L - n:]
+        for e in range(L - 1, n - 1, -1):  # end (exclusive) of an earlier occurrence
+            if tokens[e - n:e] == tail:
+                draft = tokens[e:e + k]
+                while len(draft) < min(k, MAX_K):
+                    draft.append(draft[len(draft) - (L - e)])
+                return draft[:min(k, MAX_K)]
+    return []
+
+
+class AdaptiveK:
+    """A sequence's draft length from its recent acceptance: an exponential average of the
+    accepted fraction; K shrinks while drafts fail (to 0 after ``patience`` consecutive fully
+    rejected drafts, then a probe every ``probe_every`` steps) and grows back when they are
+    accepted. The engine may also pass ``cap`` (0 when the batch is compute-bound)."""
+
+    def __init__(self, k_max: int, patience: int = 4, probe_every: int = 16):
+        if not 0 <= k_max <= MAX_K:
+            raise ValueError(f"speculative tokens must be in [0, {MAX_K}], got {k_max}")
+        self.k_max, self.patience, self.probe_every = k_max, patience, probe_every
+        self.rate = 1.0  # accepted / drafted, averaged
+        self.misses = 0  # consecutive drafts with nothing accepted
+        self.idle = 0  # steps since the last draft while switched off
+
+    def k(self, cap: int | None = None) -> int:
+        top = self.k_max if cap is None else min(self.k_max, cap)
+        if top <= 0:
+            return 0
+        if self.misses >= self.patience:
+            self.idle += 1
+            if self.idle < self.probe_every:
+                return 0
+            self.idle = 0
+            return 1  # a probe
+        return max(1, min(top, round(top * self.rate)))
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """After a verification: ``accepted`` of ``drafted`` draft tokens were kept."""
+        if drafted <= 0:
+            return
+        self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
+        self.misses = 0 if accepted else self.misses + 1

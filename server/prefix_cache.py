@@ -1,0 +1,217 @@
+"""The prefix cache's index: which pool blocks hold the KV rows of which token prefixes.
+
+Tokens are cut into blocks of ``block_tokens`` (16: see below). Block j of a sequence is keyed
+by a hash chain, key_j = blake2b(key_{j-1} || token ids of block j) (vLLM's automatic prefix
+caching), so a key names the block's tokens *and everything before them*: equal keys, equal
+KV rows (rows depend on the prefix only; ``prefix_cache_unsupported_reason`` names the models
+for which that is false). Each entry also keeps its tokens, compared on a hit: a hash collision
+can cost a miss, never a wrong row.
+
+- ``match(tokens)``: the longest cached prefix in whole blocks, never the whole prompt (at
+  least one token is left to prefill, so there are logits to sample from); the blocks it
+  returns are referenced until ``release``.
+- ``restore(kv, slot, blocks)``: their rows into an empty slot (one device copy).
+- ``insert(kv, slot, tokens)``: after a prefill (or when a sequence ends, its generated
+  tokens too), the slot's full blocks that are not cached yet are copied into the pool (one
+  device copy).
+- Eviction: least recently used blocks with no references, when a new block needs room. A
+  released chain enters the LRU order tail first, so a chain is evicted from its end and its
+  first blocks (the most shared: system prompts) last.
+
+Why 16 tokens a block (vLLM's default too): a prefix is reused only in whole blocks, so a
+request loses up to block_tokens - 1 cached tokens (a chat turn's unfinished block); smaller
+blocks cost more Python per token (one hash and one dict entry per block: ~1 us, so ~60 us to
+match 1,000 tokens) and more per-block overhead in the copies' index arrays. 16 keeps both
+small next to prefilling the tokens it saves.
+
+Not thread-safe: the engine's scheduler thread owns it.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BLOCK_TOKENS = 16
+ROOT = b""  # the parent key of a sequence's first block
+
+
+def prefix_cache_unsupported_reason(cfg) -> str | None:
+    """Why a model's KV rows are not a function of their prefix alone (None: they are)."""
+    if cfg.longrope_limit is not None:
+        return ("LongRoPE switches every row's rotary factors when a sequence grows past "
+                f"{cfg.longrope_limit} tokens, so a row depends on the sequence's final length")
+    return None
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """The hash-chain key of a block of token ids after the block keyed ``parent``."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array.array("q", tokens).tobytes())
+    return h.digest()
+
+
+def shared_blocks(a, b, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Whole blocks two prompts share from their start (the engine holds back a request that
+    shares uncached blocks with one being prefilled now, so that the prefix is computed once
+    and the second request restores it once the first one's ``insert`` is done)."""
+    n = 0
+    limit = min(len(a), len(b)) // block_tokens
+    while n < limit and a[n * block_tokens:(n + 1) * block_tokens] == \
+            b[n * block_tokens:(n + 1) * block_tokens]:
+        n += 1
+    return n
+
+
+@dataclass
+class _Block:
+    key: bytes
+    tokens: bytes  # the block's ids as int64 bytes (compared on a hit)
+    refs: int = 0
+
+
+class PrefixCache:
+    """The index over a pool (``kvserve.artifact.prefix_pool``): ``pool.n_blocks`` blocks of
+    ``pool.block_tokens`` tokens; ``pool.save`` / ``pool.load`` do the copies."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.block_tokens = pool.block_tokens
+        self._by_key: dict[bytes, int] = {}  # key -> block id
+        self._blocks: dict[int, _Block] = {}  # block id -> entry (cached blocks)
+        self._free: list[int] = list(range(pool.n_blocks - 1, -1, -1))  # never used yet
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks
+        self.evictions = 0
+
+    # --- what the engine calls ----------------------------------------------------------------
+    def match(self, tokens) -> tuple[list[int], int]:
+        """The longest cached prefix of ``tokens`` in whole blocks, leaving at least one token:
+        (block ids, tokens covered). The blocks are referenced (never evicted) until
+        ``release(blocks)``."""
+        blocks: list[int] = []
+        for key, chunk in self._chain(tokens, (len(tokens) - 1) // self.block_tokens):
+            bid = self._by_key.get(key)
+            if bid is None or self._blocks[bid].tokens != chunk:
+                break
+            blocks.append(bid)
+        for bid in blocks:
+            self._acquire(bid)
+        return blocks, len(blocks) * self.block_tokens
+
+    def restore(self, kv, slot: int, blocks: list[int]) -> int:
+        """The blocks' rows into the empty ``slot`` (its ``used`` becomes their tokens); the
+        rest of the prompt is then prefilled after them. Returns the rows restored."""
+        self.pool.load(kv, slot, blocks)
+        return len(blocks) * self.block_tokens
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop the references ``match`` took (after ``restore``, or if the request is
+        dropped). A block nobody references becomes evictable, the chain's end first."""
+        for bid in reversed(blocks):
+            b = self._blocks[bid]
+            if b.refs <= 0:
+                raise ValueError(f"block {bid} released more often than matched")
+            b.refs -= 1
+            if b.refs == 0:
+                self._lru[bid] = None
+
+    def insert(self, kv, slot: int, tokens) -> int:
+        """Register the full blocks of ``tokens`` whose rows ``slot`` holds (its first
+        ``kv.used[slot]`` rows must be exactly these tokens' rows, in order), copying the
+        blocks not cached yet into the pool (one device copy). Blocks already cached are
+        refreshed in the LRU order. When every block is referenced, fewer blocks (a shorter
+        prefix) are cached. Returns the number of blocks copied."""
+        full = min(len(tokens), int(kv.used[slot])) // self.block_tokens
+        chain: list[int] = []  # this sequence's blocks, held while evicting for the new ones
+        slot_blocks: list[int] = []
+        pool_blocks: list[int] = []
+        try:
+            for j, (key, chunk) in enumerate(self._chain(tokens, full)):
+                bid = self._by_key.get(key)
+                if bid is not None and self._blocks[bid].tokens != chunk:
+                    break  # a hash collision: keep the cached block, stop here
+                if bid is None:
+                    bid = self._take()
+                    if bid is None:
+                        break  # every block is in use
+                    self._blocks[bid] = _Block(key, chunk)
+                    self._by_key[key] = bid
+                    slot_blocks.append(j)
+                    pool_blocks.append(bid)
+                self._acquire(bid)
+                chain.append(bid)
+            self.pool.save(kv, slot, slot_blocks, pool_blocks)
+        except BaseException:
+            for bid in pool_blocks:  # the copy did not happen: forget the new entries
+                self._forget(bid)
+            chain = [b for b in chain if b not in set(pool_blocks)]
+            raise
+        finally:
+            self.release(chain)
+        return len(pool_blocks)
+
+    # --- state -------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """The pool's bytes (allocated once, at most the cap)."""
+        return self.pool.nbytes
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def referenced_blocks(self) -> int:
+        return sum(1 for b in self._blocks.values() if b.refs)
+
+    def check(self) -> None:
+        """Internal consistency (tests): every block is free, cached-unreferenced (in the LRU
+        order) or referenced, exactly once."""
+        assert len(self._by_key) == len(self._blocks) <= self.pool.n_blocks
+        assert set(self._lru) == {i for i, b in self._blocks.items() if b.refs == 0}
+        assert not set(self._free) & set(self._blocks)
+        assert len(self._free) + len(self._blocks) == self.pool.n_blocks
+        assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
+
+    # --- internals ---------------------------------------------------------------------------
+    def _chain(self, tokens, n_blocks: int):
+        """(key, token bytes) of the first ``n_blocks`` blocks of ``tokens``, lazily (a
+        lookup stops at the first miss): one conversion of the ids to bytes, then one
+        blake2b per block over a slice of them."""
+        if n_blocks <= 0:
+            return
+        step = self.block_tokens * 8
+        data = array.array("q", tokens[:n_blocks * self.block_tokens]).tobytes()
+        key = ROOT
+        for j in range(n_blocks):
+            chunk = data[j * step:(j + 1) * step]
+            h = hashlib.blake2b(key, digest_size=16)
+            h.update(chunk)
+            key = h.digest()
+            yield key, chunk
+
+    def _acquire(self, bid: int) -> None:
+        b = self._blocks[bid]
+        if b.refs == 0:
+            self._lru.pop(bid, None)
+        b.refs += 1
+
+    def _take(self) -> int | None:
+        """A block id for new rows: a never-used one, else the least recently used
+        unreferenced one (evicted)."""
+        if self._free:
+            return self._free.pop()
+        if not self._lru:
+            return None
+        bid, _ = self._lru.popitem(last=False)
+        del self._by_key[self._blocks.pop(bid).key]
+        self.evictions += 1
+        return bid
+
+    def _forget(self, bid: int) -> None:
+        b = self._blocks.pop(bid, None)
+        if b is not None:
+            self._by_key.pop(b.key, None)
+            self._lru.pop(bid, None)
+            self._free.append(bid)

@@ -1,0 +1,136 @@
+"""Speculative decoding without a draft model, as the engine uses it: which sequences draft,
+how long their drafts are, and when speculation is paused because it would lose speed.
+
+Drafts come from n-gram prompt lookup over each sequence's own tokens (``server.ngram``);
+one call of the fused graph verifies every row's draft (``FusedLM.verify``: rows without a
+draft feed their one token in the same call), and ``server.spec_verify`` keeps exactly the
+tokens the plain path would have produced (greedy and seeded sampling alike).
+
+Three things keep it from costing speed:
+- per sequence, lookups that find nothing are made less often (every 2, 4, 8 steps), so a
+  sequence that never repeats itself costs little Python;
+- per sequence, ``ngram.AdaptiveK``: the draft length follows the recent acceptance, down to
+  no drafts (with an occasional probe) while drafts keep failing;
+- per engine, ``Backoff``: the tokens a verification step yields per second are compared with
+  the plain step's at the same batch size (measured: a plain step is taken now and then to
+  keep that figure fresh); while speculation yields fewer, it pauses (the batch is
+  compute-bound, or the drafts are poor), then tries again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ngram import AdaptiveK, NgramIndex
+from .sequence import Sequence
+
+_EMA = 0.2  # weight of the newest measurement
+_REFRESH = 32  # verification steps between two plain steps at a batch size (a fresh figure)
+_PAUSE = 64  # plain steps while speculation is paused
+_MAX_SKIP = 8  # steps between lookups of a sequence whose lookups keep finding nothing
+_WORTH = 1.0  # speculation goes on while it yields at least this x the plain tokens/s
+
+
+@dataclass
+class Drafting:
+    """A sequence's speculation state: its n-gram index and draft length."""
+    index: NgramIndex
+    k: AdaptiveK
+    indexed: int = 0  # generated tokens already in the index
+    empty: int = 0  # lookups in a row that found no draft
+    skip: int = 0  # steps left before the next lookup
+
+
+class Backoff:
+    """Whether a step at batch size n should verify drafts, from measured step rates."""
+
+    def __init__(self):
+        self.plain: dict[int, float] = {}  # batch size -> EMA seconds of a plain step
+        self.since_plain: dict[int, int] = {}  # batch size -> verification steps since a plain
+        self.gain = 1.0  # EMA of (verification tokens/s) / (plain tokens/s)
+        self.paused = 0  # plain steps left before speculation is tried again
+
+    def allow(self, n: int) -> bool:
+        if self.paused:
+            self.paused -= 1
+            return False
+        return n in self.plain and self.since_plain.get(n, 0) < _REFRESH
+
+    def plain_step(self, n: int, seconds: float) -> None:
+        old = self.plain.get(n)
+        self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.since_plain[n] = 0
+
+    def verify_step(self, n: int, seconds: float, tokens: int) -> None:
+        self.since_plain[n] = self.since_plain.get(n, 0) + 1
+        plain = self.plain.get(n)
+        if plain is None or seconds <= 0:
+            return
+        ratio = (tokens / seconds) / (n / plain)
+        self.gain = (1 - _EMA) * self.gain + _EMA * ratio
+        if self.gain < _WORTH:
+            self.paused, self.gain = _PAUSE, 1.0
+
+
+class Speculator:
+    """The engine's drafts: ``drafts(active)`` before a step (None: take a plain step),
+    ``record`` after a verification."""
+
+    def __init__(self, k_max: int, max_seq_len: int):
+        self.k_max, self.max_seq_len = k_max, max_seq_len
+        self.backoff = Backoff()
+        self.drafted = self.accepted = 0  # totals (metrics)
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Sequences that may draft: generating (not feeding a prompt tail), no attention
+        diagnostics (their rows come from the diagnostics graph, one token a step)."""
+        return not seq.forced and not seq.wants_attention
+
+    def admit(self, seq: Sequence) -> None:
+        if self.eligible(seq):
+            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
+
+    def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
+        """Each row's draft ([] for none), or None when no row drafts or speculation is paused
+        (the plain step is cheaper then)."""
+        # a row with attention diagnostics (or feeding its prompt's tail for them) needs the
+        # diagnostics graph's step: the whole batch takes it
+        if any(s.drafting is None for s in active) and \
+                any(s.wants_attention or s.forced for s in active):
+            return None
+        if not self.backoff.allow(len(active)):
+            return None
+        out: list[list[int]] = []
+        any_draft = False
+        for seq in active:
+            d = seq.drafting
+            if d is None:
+                out.append([])
+                continue
+            if d.skip:  # its last lookups found nothing: it looks again less often
+                d.skip -= 1
+                out.append([])
+                continue
+            gen = seq.generated
+            if d.indexed < len(gen):  # tokens chosen since the last look
+                d.index.extend(gen[d.indexed:])
+                d.indexed = len(gen)
+            # room: the draft's tokens and the one after them are new tokens of the sequence
+            room = min(seq.req.stopping.max_new_tokens - len(gen),
+                       self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
+            k = d.k.k(room)
+            draft = d.index.propose(k) if k > 0 else []
+            if k > 0 and not draft:
+                d.empty += 1
+                d.skip = min(1 << d.empty, _MAX_SKIP) - 1
+            elif draft:
+                d.empty = 0
+            out.append(draft)
+            any_draft = any_draft or bool(draft)
+        return out if any_draft else None
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        if seq.drafting is not None and drafted:
+            seq.drafting.k.update(drafted, accepted)
+        self.drafted += drafted
+        self.accepted += accepted

@@ -1,0 +1,68 @@
+"""The prefix pool's device copies (``kvserve.artifact.prefix_pool``) on both runners (``lm``:
+fused ``llama`` through its two onnxruntime graphs — the code path CUDA runs — and portable
+through numpy): rows saved and loaded bit for bit, one onnxruntime run per copy whatever the
+blocks and layers, the refusals, and the exactness of a restored prefix (teacher-forced
+logits and greedy tokens equal prefilling the whole prompt, within 1e-4)."""
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from export_matrix import LOGIT_TOL
+from spec_testing import check_prefix_restore
+
+from kvserve.artifact.prefix_pool import block_bytes, make_prefix_pool
+
+BT = 16
+
+
+def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
+    cfg = lm.cfg
+    pool = make_prefix_pool(lm, 20 * block_bytes(cfg, BT, 4), BT)
+    assert pool.n_blocks == 20 and pool.nbytes == 20 * block_bytes(cfg, BT, 4)
+    kv = lm.new_cache(3)
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 70).tolist()
+    lm.prefill(kv, 1, [ids[:30]], last=True)
+    lm.prefill(kv, 2, [ids], last=True)  # 70 rows: blocks 0..3 full
+    runs = []
+    real = ort.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
+                        lambda self, b, *a: (runs.append(1), real(self, b, *a))[1])
+    pool.save(kv, 2, [0, 2, 3], [17, 4, 9])  # any slot blocks into any pool blocks
+    assert len(runs) == (1 if lm.kind == "fused" else 0)  # one run for all layers and blocks
+    for layer in range(cfg.n_layers):
+        k, v = kv.slot_rows(layer, 2) if lm.kind == "fused" else \
+            (kv.k[layer][2, :, :70], kv.v[layer][2, :, :70])
+        for j, bid in ((0, 17), (2, 4), (3, 9)):
+            pk, pv = pool.block_rows(layer, bid)
+            assert np.array_equal(pk, k[:, j * BT:(j + 1) * BT])
+            assert np.array_equal(pv, v[:, j * BT:(j + 1) * BT])
+    with pytest.raises(ValueError, match="block 4 is not filled"):
+        pool.save(kv, 2, [4], [0])
+    kv.clear(0)
+    runs.clear()
+    pool.load(kv, 0, [4, 17, 9])  # slot 0: rows of blocks 2, 0, 3 in that order
+    assert len(runs) == (1 if lm.kind == "fused" else 0) and kv.used[0] == 3 * BT
+    for layer in range(cfg.n_layers):
+        src = kv.slot_rows(layer, 2) if lm.kind == "fused" else \
+            (kv.k[layer][2, :, :70], kv.v[layer][2, :, :70])
+        dst = kv.slot_rows(layer, 0) if lm.kind == "fused" else \
+            (kv.k[layer][0, :, :48], kv.v[layer][0, :, :48])
+        for a, b in zip(src, dst):
+            want = np.concatenate([a[:, 2 * BT:3 * BT], a[:, :BT], a[:, 3 * BT:4 * BT]], 1)
+            assert np.array_equal(b, want)
+        if lm.kind == "fused":  # slot 1, next to it, untouched
+            assert kv.slot_rows(layer, 1)[0].shape[1] == 30
+    with pytest.raises(ValueError, match="empty slot"):
+        pool.load(kv, 1, [0])
+
+
+def test_block_size_must_divide_the_capacity_chunk(lm):
+    with pytest.raises(ValueError, match="block_tokens must divide 128"):
+        make_prefix_pool(lm, 1 << 20, 24)
+    assert make_prefix_pool(lm, 10, BT) is None  # not one block: the cache is off
+
+
+def test_restored_prefix_equals_prefilling_the_whole_prompt(lm):
+    worst = max(check_prefix_restore(lm, LOGIT_TOL, seed) for seed in range(2))
+    print(f"{lm.kind}: restored prefix vs whole prefill, max relative |Δlogit| {worst:.2e}")

@@ -1,0 +1,202 @@
+"""The prefix cache's index (``kvserve.server.prefix_cache``) over a real pool and a real KV
+cache (``NumpyPrefixPool`` + the portable runner's ``KVBuffers``, no model needed): each row
+holds a number derived from its whole prefix (a rolling hash), so a restored row that belongs
+to another prefix is caught. Matching in whole blocks, never the whole prompt; the hash chain;
+references; tail-first LRU eviction; 2,000 mixed random requests under pressure with the pool
+never past its cap; which models are excluded. (The device copies and the exactness of a
+restored prefix through the runners: tests/artifact/test_prefix_pool.py and
+tests/export/test_prefix_matrix.py.)"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from export_matrix import make_config
+
+from kvserve.artifact.portable import KVBuffers
+from kvserve.artifact.prefix_pool import NumpyPrefixPool, block_bytes
+from kvserve.model.config import ModelConfig
+from kvserve.server.prefix_cache import (BLOCK_TOKENS, PrefixCache, block_key,
+                                         prefix_cache_unsupported_reason, shared_blocks)
+
+CFG = make_config("llama")
+BT = BLOCK_TOKENS
+
+
+def row_values(tokens) -> list[float]:
+    """Per position t, a number that depends on tokens[:t + 1] (exact in float32)."""
+    out, h = [], 0
+    for tok in tokens:
+        h = (h * 1_000_003 + int(tok) + 1) % (1 << 20)
+        out.append(float(h))
+    return out
+
+
+def prefill(kv: KVBuffers, slot: int, tokens) -> None:
+    """A stand-in for the model's prefill of the rows after ``kv.used[slot]``: each row holds
+    its prefix's number (keys) and its negative (values) in every layer."""
+    start = int(kv.used[slot])
+    kv.ensure_capacity(len(tokens) + 1)
+    vals = np.asarray(row_values(tokens), np.float32)[start:]
+    for i in range(CFG.n_layers):
+        kv.k[i][slot, :, start:len(tokens)] = (vals + i)[None, :, None]
+        kv.v[i][slot, :, start:len(tokens)] = -(vals + i)[None, :, None]
+    kv.mask[slot, :len(tokens)] = 1
+    kv.used[slot] = len(tokens)
+
+
+def assert_rows_of(kv: KVBuffers, slot: int, tokens) -> None:
+    n = int(kv.used[slot])
+    vals = np.asarray(row_values(tokens[:n]), np.float32)
+    for i in range(CFG.n_layers):
+        assert np.array_equal(kv.k[i][slot, :, :n], np.broadcast_to((vals + i)[None, :, None],
+                                                                    kv.k[i][slot, :, :n].shape))
+        assert np.array_equal(kv.v[i][slot, :, :n], -kv.k[i][slot, :, :n])
+
+
+def serve(cache: PrefixCache, kv: KVBuffers, tokens) -> int:
+    """One request as the engine runs it: match, restore into the emptied slot, release,
+    prefill the rest, insert. Returns the cached tokens used."""
+    kv.clear(0)
+    blocks, n = cache.match(tokens)
+    cache.restore(kv, 0, blocks)
+    cache.release(blocks)
+    assert_rows_of(kv, 0, tokens)  # every restored row belongs to this prefix
+    prefill(kv, 0, tokens)
+    cache.insert(kv, 0, tokens)
+    return n
+
+
+def new_cache(n_blocks: int) -> PrefixCache:
+    return PrefixCache(NumpyPrefixPool(CFG, n_blocks, BT))
+
+
+def test_match_is_whole_blocks_and_never_the_whole_prompt():
+    cache, kv = new_cache(8), KVBuffers(CFG, 1)
+    toks = list(range(100, 148))  # 3 blocks
+    assert serve(cache, kv, toks) == 0
+    assert cache.cached_blocks == 3
+    assert cache.match(toks[:16]) == ([], 0)  # one block: the prompt itself, nothing left
+    for length, want in ((17, 16), (32, 16), (33, 32), (48, 32), (49, 48), (200, 48)):
+        blocks, n = cache.match(toks + list(range(length - 48)) if length > 48
+                                else toks[:length])
+        assert n == want, length
+        cache.release(blocks)
+    assert cache.match(toks[:16] + [7] + toks[17:40])[1] == 16  # a change in block 1
+    cache.check()
+
+
+def test_a_block_is_keyed_by_its_whole_prefix():
+    """The same 16 tokens after a different first block are a different block."""
+    cache, kv = new_cache(8), KVBuffers(CFG, 1)
+    a, b, shared = [1] * 16, [2] * 16, list(range(16))
+    serve(cache, kv, a + shared + [9])
+    assert cache.match(b + shared + [9])[1] == 0
+    assert cache.match(a + shared + [9])[1] == 32
+    assert block_key(b"", a) != block_key(b"", b) and len(block_key(b"", a)) == 16
+
+
+def test_insert_copies_only_new_blocks_and_generated_rows_count():
+    cache, kv = new_cache(8), KVBuffers(CFG, 1)
+    toks = list(range(40))
+    prefill(kv, 0, toks)
+    assert cache.insert(kv, 0, toks) == 2  # rows 0..31
+    assert cache.insert(kv, 0, toks) == 0  # already there
+    more = toks + list(range(500, 530))  # generated tokens: their rows exist now
+    prefill(kv, 0, more)
+    assert cache.insert(kv, 0, more) == 2  # blocks 2 and 3 (rows 32..63)
+    assert cache.insert(kv, 0, more + [1] * 40) == 0  # tokens past the slot's rows: ignored
+    cache.check()
+
+
+def test_referenced_blocks_are_never_evicted():
+    """A matched prefix stays while other requests fill the pool many times over; its rows
+    are intact when restored afterwards. With every block referenced, insert caches less."""
+    cache, kv = new_cache(6), KVBuffers(CFG, 1)
+    held = list(range(1000, 1049))
+    serve(cache, kv, held)
+    blocks, n = cache.match(held)
+    assert n == 48
+    rnd = random.Random(0)
+    for _ in range(30):
+        serve(cache, kv, [rnd.randrange(300) for _ in range(rnd.randrange(20, 80))])
+    assert cache.evictions > 0
+    kv.clear(0)
+    cache.restore(kv, 0, blocks)
+    assert_rows_of(kv, 0, held)
+    other, _ = cache.match(held)  # a second reference to the same blocks
+    assert other == blocks
+    prefill(kv, 0, held + list(range(60)))
+    assert cache.insert(kv, 0, held + list(range(60))) <= 3  # 6 blocks, 3 held
+    cache.release(blocks)
+    cache.release(other)
+    with pytest.raises(ValueError, match="released more often"):
+        cache.release(blocks)
+    cache.check()
+
+
+def test_eviction_takes_the_least_recent_chain_from_its_end():
+    cache, kv = new_cache(4), KVBuffers(CFG, 1)
+    a = list(range(49))  # 3 blocks
+    b = list(range(200, 233))  # 2 blocks: one must go, a's last
+    serve(cache, kv, a)
+    serve(cache, kv, b)
+    assert cache.evictions == 1
+    assert cache.match(a)[1] == 32 and cache.match(b)[1] == 32
+    cache.check()
+
+
+def test_2000_mixed_requests_stay_under_the_cap():
+    """Shared system prompts, chat histories growing turn by turn, and random one-offs in a
+    pool of 24 blocks: every restored row is its own prefix's, the pool's bytes never change
+    (allocated once at the cap), the index never holds more than the pool, and the cache
+    still hits under pressure."""
+    cap = 24 * block_bytes(CFG, BT, 4) + 100  # not a whole number of blocks: rounded down
+    pool = NumpyPrefixPool(CFG, cap // block_bytes(CFG, BT, 4), BT)
+    cache, kv = PrefixCache(pool), KVBuffers(CFG, 1)
+    rnd = random.Random(2000)
+    systems = [[rnd.randrange(300) for _ in range(rnd.randrange(20, 70))] for _ in range(4)]
+    chats: list[list[int]] = [[] for _ in range(6)]
+    hit = total = 0
+    for i in range(2000):
+        kind = rnd.random()
+        if kind < 0.4:
+            toks = rnd.choice(systems) + [rnd.randrange(300) for _ in range(rnd.randrange(1, 30))]
+        elif kind < 0.8:
+            c = rnd.randrange(len(chats))
+            chats[c] += [rnd.randrange(300) for _ in range(rnd.randrange(5, 25))]
+            if len(chats[c]) > 250:
+                chats[c] = []
+            toks = chats[c] + [1]
+        else:
+            toks = [rnd.randrange(300) for _ in range(rnd.randrange(1, 120))]
+        hit += serve(cache, kv, toks)
+        total += len(toks)
+        assert pool.nbytes == 24 * block_bytes(CFG, BT, 4) <= cap
+        assert cache.cached_blocks <= pool.n_blocks and cache.referenced_blocks == 0
+        if i % 100 == 0:
+            cache.check()
+    cache.check()
+    assert cache.evictions > 500 and hit > 0.2 * total, (cache.evictions, hit, total)
+    print(f"2000 requests: {hit}/{total} prompt tokens from the cache, "
+          f"{cache.evictions} evictions, pool {pool.nbytes} bytes (cap {cap})")
+
+
+def test_longrope_is_excluded_with_a_reason():
+    assert prefix_cache_unsupported_reason(CFG) is None
+    assert prefix_cache_unsupported_reason(make_config("gpt2")) is None
+    cfg = ModelConfig(**{**CFG.__dict__, "rope_scaling": dict(
+        type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+        original_max_position_embeddings=64, attention_factor=1.2)})
+    why = prefix_cache_unsupported_reason(cfg)
+    assert why is not None and "LongRoPE" in why and "64 tokens" in why
+
+
+def test_shared_blocks_counts_whole_blocks_from_the_start():
+    a = list(range(40))
+    assert shared_blocks(a, a) == 2
+    assert shared_blocks(a, a[:31]) == 1
+    assert shared_blocks(a, a[:16] + [0] + a[17:]) == 1
+    assert shared_blocks(a, [99] + a[1:]) == 0
+    assert shared_blocks(a, a, block_tokens=8) == 5

@@ -1,0 +1,82 @@
+"""The engine's speculation policy (server/speculation.py), as pure logic: when a step
+verifies drafts, how long the drafts are, and when speculation pauses itself."""
+from __future__ import annotations
+
+from kvserve.model.sampling import SamplingParams
+from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
+from kvserve.server.sequence import Handle, Sequence
+from kvserve.server.speculation import _MAX_SKIP, _PAUSE, _REFRESH, Backoff, Speculator
+
+
+def _seq(prompt, generated=(), max_new=64, attention=False) -> Sequence:
+    out = OutputParams(attention_layers=(0,), attention_heads=(0,)) if attention \
+        else OutputParams()
+    req = GenerateRequest(list(prompt), SamplingParams(), StopParams(max_new_tokens=max_new),
+                          out)
+    s = Sequence(req, Handle("r", lambda: None), submitted=0.0)
+    s.generated = list(generated)
+    return s
+
+
+def test_a_batch_size_is_measured_plain_before_it_verifies_and_refreshed_every_so_often():
+    b = Backoff()
+    assert not b.allow(2)  # no plain figure at batch 2 yet
+    b.plain_step(2, 0.010)
+    verified = 0
+    while b.allow(2):
+        b.verify_step(2, 0.012, 6)  # 6 tokens in 12 ms against 2 in 10 ms: worth it
+        verified += 1
+    assert verified == _REFRESH  # then a plain step refreshes the figure
+    b.plain_step(2, 0.010)
+    assert b.allow(2)
+
+
+def test_speculation_pauses_while_it_yields_fewer_tokens_per_second():
+    b = Backoff()
+    b.plain_step(8, 0.010)  # 800 tokens/s
+    steps = 0
+    while b.allow(8) and steps < 100:
+        b.verify_step(8, 0.020, 9)  # 450 tokens/s: a loss
+        steps += 1
+    assert steps < 10, "it kept verifying at a loss"
+    paused = sum(not b.allow(8) for _ in range(_PAUSE))
+    assert paused == _PAUSE - 1  # (the first refusal above started the pause)
+    assert b.allow(8)  # then it tries again
+
+
+def test_drafts_from_the_sequence_itself_within_its_room():
+    sp = Speculator(k_max=4, max_seq_len=256)
+    sp.backoff.plain_step(1, 0.01)
+    s = _seq([5, 6, 7, 8, 9, 5, 6], max_new=64)
+    sp.admit(s)
+    s.generated = [7]  # ... 5 6 7: the earlier "5 6 7" was followed by 8 9 5 6
+    assert sp.drafts([s]) == [[8, 9, 5, 6]]
+    short = _seq([5, 6, 7, 8, 9, 5, 6], generated=[7], max_new=3)  # 2 new tokens left
+    sp.admit(short)
+    assert sp.drafts([short]) == [[8]]  # the draft and the token after it fit
+
+
+def test_a_sequence_whose_lookups_find_nothing_looks_less_often():
+    sp = Speculator(k_max=4, max_seq_len=256)
+    sp.backoff.plain_step(2, 0.01)
+    lonely = _seq(list(range(10, 40)), generated=[99])
+    loopy = _seq([1, 2, 3, 1, 2], generated=[3])
+    sp.admit(lonely)
+    sp.admit(loopy)
+    looks = 0
+    for _ in range(40):
+        before = lonely.drafting.empty
+        sp.drafts([lonely, loopy])
+        looks += lonely.drafting.empty != before
+    assert 40 // _MAX_SKIP <= looks <= 10  # 1, 2, 4, then every 8 steps
+
+
+def test_no_verification_while_a_row_wants_attention():
+    sp = Speculator(k_max=4, max_seq_len=256)
+    sp.backoff.plain_step(2, 0.01)
+    loopy = _seq([1, 2, 3, 1, 2], generated=[3])
+    diag = _seq([1, 2, 3], generated=[4], attention=True)
+    sp.admit(loopy)
+    sp.admit(diag)
+    assert diag.drafting is None
+    assert sp.drafts([loopy, diag]) is None

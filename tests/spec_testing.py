@@ -1,0 +1,148 @@
+"""Shared checks of the speculation and prefix-cache components against the plain path, run
+on the artifact tests' runners (fused and portable) and on the export matrix's configs.
+
+The plain path is the runner itself: a prefill of the prompt, then one decode step per token
+(the engine's path today), on a cache of its own."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def plain_logits(lm, prompt: list[int], fed: list[int]) -> np.ndarray:
+    """Logits (len(fed), V) of decoding ``fed`` one token per step after ``prompt``."""
+    kv = lm.new_cache(1)
+    lm.prefill(kv, 0, [prompt], last=True)
+    out = []
+    for tok in fed:
+        logits, _ = lm.decode(kv, 1, [tok])
+        out.append(logits[0].copy())
+    return np.stack(out)
+
+
+def check_verify_teacher_forced(lm, tol: float, seed: int = 0) -> float:
+    """A batch of 4 slots (prompts of different lengths) verified twice in a row with drafts
+    of different lengths per row (0 .. 6, right-padded in one call), each verification
+    followed by a truncate that keeps a different number of accepted rows; then a plain decode
+    step. Every verified row and the final step equal the plain path's logits within ``tol``
+    (relative to the largest |logit| of the reference). Returns the worst difference."""
+    g = np.random.default_rng(seed)
+    V = lm.cfg.vocab_size
+    prompts = [g.integers(0, V, n).tolist() for n in (9, 3, 17, 5)]
+    n = len(prompts)
+    kv = lm.new_cache(n)
+    lm.prefill(kv, 0, prompts, last=True)
+    history = [list(p) for p in prompts]  # tokens whose rows the slot keeps
+    worst = 0.0
+    for round_, (lens, keep) in enumerate((([1, 4, 7, 3], [1, 2, 7, 0]),
+                                           ([6, 1, 2, 5], [6, 1, 1, 3]))):
+        rows = [g.integers(0, V, m).tolist() for m in lens]
+        before = kv.used[:n].copy()
+        logits = lm.verify(kv, n, rows).copy()
+        assert logits.shape == (n, max(lens), V)
+        assert list(kv.used[:n]) == [u + m for u, m in zip(before, lens)]
+        for b in range(n):
+            want = plain_logits(lm, history[b], rows[b])
+            scale = max(1.0, float(np.abs(want).max()))
+            d = float(np.abs(logits[b, :lens[b]] - want).max()) / scale
+            worst = max(worst, d)
+            assert d <= tol, (round_, b, d)
+            if keep[b]:  # keep the fed token and keep[b] - 1 draft tokens
+                kv.truncate(b, int(before[b]) + keep[b])
+                history[b] += rows[b][:keep[b]]
+            else:  # a row that kept nothing (an engine never does; truncate allows it)
+                kv.truncate(b, int(before[b]))
+    nxt = g.integers(0, V, n).tolist()
+    logits, _ = lm.decode(kv, n, nxt)
+    for b in range(n):
+        want = plain_logits(lm, history[b], [nxt[b]])[0]
+        scale = max(1.0, float(np.abs(want).max()))
+        d = float(np.abs(logits[b] - want).max()) / scale
+        worst = max(worst, d)
+        assert d <= tol, ("after truncate", b, d)
+    return worst
+
+
+def check_greedy_speculation(lm, prompt: list[int], steps: int, k: int = 4) -> list[int]:
+    """Greedy generation through ``verify`` with n-gram drafts equals plain greedy decoding
+    token for token. Returns the tokens."""
+    from kvserve.server.ngram import NgramIndex
+    from kvserve.server.spec_verify import verify_row
+
+    kv = lm.new_cache(1)
+    first = lm.prefill(kv, 0, [prompt], last=True).logits[0][-1]
+    want = [int(np.argmax(first))]
+    pk = lm.new_cache(1)
+    lm.prefill(pk, 0, [prompt], last=True)
+    while len(want) < steps:
+        logits, _ = lm.decode(pk, 1, [want[-1]])
+        want.append(int(np.argmax(logits[0])))
+    got = [want[0]]
+    index = NgramIndex(prompt + got, min_n=1)
+    while len(got) < steps:
+        draft = index.propose(k)
+        used = int(kv.used[0])
+        logits = lm.verify(kv, 1, [[got[-1], *draft]])[0]
+        emitted = verify_row(logits, draft, lambda j, row: int(np.argmax(row)))
+        kv.truncate(0, used + len(emitted))
+        for tok in emitted:
+            got.append(tok)
+            index.append(tok)
+    assert got[:steps] == want, (got, want)
+    return want
+
+
+def prefill_rest(lm, kv, slot: int, rest: list[int]) -> np.ndarray:
+    """The rest of a prompt after the slot's restored rows: all its logits (T, V). Both
+    runners' ``extend`` continue after the slot's rows (the portable ``prefill`` would
+    replace them; the fused one continues too, and batches slots)."""
+    return lm.extend(kv, slot, rest)
+
+
+def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
+    """A prompt prefilled in slot 1 (slot 0 busy with another) and inserted; a second prompt
+    sharing its first 40 tokens restores the cached whole blocks into an empty slot of another
+    cache and prefills the rest. Its logits (rest rows) and 4 greedy decode steps equal those
+    of prefilling the second prompt whole, within ``tol`` (relative to the largest |logit|);
+    the greedy tokens are identical. Returns the worst difference."""
+    from kvserve.artifact.prefix_pool import make_prefix_pool
+    from kvserve.server.prefix_cache import PrefixCache
+
+    g = np.random.default_rng(seed)
+    V = lm.cfg.vocab_size
+    first = g.integers(0, V, 50).tolist()
+    second = first[:40] + g.integers(0, V, 21).tolist()
+    cache = PrefixCache(make_prefix_pool(lm, 1 << 20, 16))
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [g.integers(0, V, 30).tolist(), first], last=True)
+    assert cache.insert(kv, 1, first) == 3  # 48 of its 50 rows: 3 whole blocks
+    blocks, n = cache.match(second)
+    assert n == 32 and len(blocks) == 2  # 40 shared tokens: 2 whole blocks
+    kv2 = lm.new_cache(3)
+    lm.prefill(kv2, 0, [g.integers(0, V, 7).tolist()], last=True)  # slot 0 busy
+    assert cache.restore(kv2, 2, blocks) == 32 and kv2.used[2] == 32
+    cache.release(blocks)
+    got = prefill_rest(lm, kv2, 2, second[32:])
+    ref_kv = lm.new_cache(1)
+    want = lm.prefill(ref_kv, 0, [second]).logits[0][32:]
+    scale = max(1.0, float(np.abs(want).max()))
+    worst = float(np.abs(got - want).max()) / scale
+    assert worst <= tol, worst
+    # the check can fail: another block's rows in place of the second differ (the order alone
+    # would not: attention sums over its (key, value) rows, positions already rotated in)
+    kv3 = lm.new_cache(1)
+    blocks2, _ = cache.match(second)
+    cache.restore(kv3, 0, [blocks2[0], blocks2[0]])
+    cache.release(blocks2)
+    assert float(np.abs(prefill_rest(lm, kv3, 0, second[32:]) - want).max()) > 100 * tol
+    tok_a = tok_b = int(np.argmax(want[-1]))
+    assert int(np.argmax(got[-1])) == tok_a
+    for step in range(4):
+        la, _ = lm.decode(ref_kv, 1, [tok_a])
+        la = la[0].copy()
+        lb, _ = lm.decode(kv2, 3, [0, 0, tok_b])
+        d = float(np.abs(lb[2] - la).max()) / max(1.0, float(np.abs(la).max()))
+        worst = max(worst, d)
+        assert d <= tol, (step, d)
+        tok_a, tok_b = int(np.argmax(la)), int(np.argmax(lb[2]))
+        assert tok_a == tok_b, step
+    return worst
