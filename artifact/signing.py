@@ -105,7 +105,8 @@ def key_id(public_key) -> str:
 
 def generate_key(path: str | Path) -> tuple[Path, Path]:
     """A new Ed25519 key pair: ``path`` (private, PEM PKCS#8, mode 0600, unencrypted unless
-    KVSERVE_SIGN_KEY_PASSWORD is set) and ``path.pub`` (public, PEM)."""
+    KVSERVE_SIGN_KEY_PASSWORD is set) and ``path.pub`` (public, PEM). Missing directories are
+    made (mode 0700: only the owner lists a key directory)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -113,6 +114,7 @@ def generate_key(path: str | Path) -> tuple[Path, Path]:
     for p in (priv, pub):
         if p.exists():
             raise FileExistsError(f"{p} exists; not overwriting a key")
+    priv.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()
     password = os.environ.get(PASSWORD_ENV)
     enc = serialization.BestAvailableEncryption(password.encode()) if password \
@@ -231,7 +233,7 @@ def main(args) -> int:
         key = load_private_key(args.key)
         verify_artifacts(args.artifacts)  # never sign something that does not verify
         path = sign_manifest(args.artifacts, key)
-    except (SignatureError, VerifyError, FileExistsError) as e:
+    except (SignatureError, VerifyError, OSError) as e:  # OSError: FileExistsError, EACCES...
         print(f"kvserve sign: FAILED: {e}", file=sys.stderr)
         return 1
     print(f"kvserve sign: wrote {path} (Ed25519, key id {key_id(key.public_key())[:16]})")

@@ -3,8 +3,9 @@
 The conversation is kept and sent whole each turn (the server renders it with the model's chat
 template). ``/reset`` clears it (keeping ``--system``), ``/exit`` or Ctrl-D quits. Ctrl-C while an
 answer streams stops that answer (the call is cancelled, the server frees the slot) and keeps
-what was said so far; Ctrl-C at the prompt only clears the line. A model without a chat
-template is told at the first turn (FAILED_PRECONDITION) and the command exits 1.
+what was said so far; Ctrl-C at the prompt only clears the line. The server's model is checked
+at start-up (ModelInfo): a server that cannot be reached, or a model without a chat template,
+is said in one line before the first prompt and the command exits 1.
 """
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ def main(args: argparse.Namespace) -> int:
     history = _fresh(args)
     opts = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                 max_new_tokens=args.max_new_tokens)
-    print(f"kvserve chat with {args.server} {HELP}", file=sys.stderr, flush=True)
     with client_from_args(args) as client:
+        why = _cannot_chat(client, args.server)
+        if why:
+            print(f"kvserve chat: {why}", file=sys.stderr, flush=True)
+            return 1
+        print(f"kvserve chat with {args.server} {HELP}", file=sys.stderr, flush=True)
         while True:
             try:
                 line = input(PROMPT)
@@ -72,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
                 continue
             history.append({"role": "user", "content": line})
             try:
-                rc = _turn(client, history, opts, args.stats)
+                rc = _turn(client, history, opts, args.stats, args.server)
             except KeyboardInterrupt:  # landed between the stream's end and the next prompt
                 out.write("\n")
                 rc = None
@@ -82,7 +87,25 @@ def main(args: argparse.Namespace) -> int:
                 return rc
 
 
-def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
+def _cannot_chat(client, server: str) -> str:
+    """Why the server's model cannot chat ("" when it can), from one ModelInfo call."""
+    from kvserve.v1 import inference_pb2 as pb
+
+    from .client import KvserveError
+    from .common import error_line
+
+    try:  # the raw response: the client's ModelInfo has no chat_template_available (yet)
+        info = client._unary("ModelInfo", pb.ModelInfoRequest(), None)
+    except KvserveError as e:
+        return error_line(e, server)
+    if not info.chat_template_available:
+        return (f"the model at {server} cannot chat: it has no usable chat template (none in "
+                "its tokenizer_config.json, or one the server refused: see its log; models made "
+                "by `kvserve train` have ChatML's). `kvserve generate` makes plain completions")
+    return ""
+
+
+def _turn(client, history: list[dict], opts: dict, stats: bool, server: str) -> int | None:
     """One answer, streamed; appends it to ``history``. Returns an exit code to stop with.
 
     The stream is read on a helper thread. While it runs, Ctrl-C (SIGINT) is handled, not
@@ -144,9 +167,9 @@ def _turn(client, history: list[dict], opts: dict, stats: bool) -> int | None:
         history.pop()
         if isinstance(error, KvserveError) and \
                 error.code == grpc.StatusCode.FAILED_PRECONDITION:
-            return fail("chat", error)
+            return fail("chat", error, server)
         out.write("\n")
-        fail("chat", error)
+        fail("chat", error, server)
         return None
     history.append({"role": "assistant", "content": "".join(answer)})
     out.write("\n")

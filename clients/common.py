@@ -60,13 +60,32 @@ def client_from_args(args: argparse.Namespace, **kw) -> Client:
                   retry=policy, resume=not getattr(args, "no_resume", False), **kw)
 
 
-def fail(command: str, e: BaseException) -> int:
-    """Print ``kvserve COMMAND: CODE: message`` on one line; return the exit status."""
+# gRPC names the address it resolved (``ipv6:%5B::1%5D:50071``), not the one the user gave
+_UNREACHABLE = re.compile(r"failed to connect to all addresses; last error: \w+: \S+: (.+)$")
+_HINTS = {"connection refused": "; is the server running there?",
+          "socket closed": "; is it a TLS server? (then --tls or --tls-ca PEM)"}
+_RESOLVED = re.compile(r"\b(?:ipv4|ipv6):\S+?(?=:\s)")
+
+
+def error_line(e: BaseException, server: str | None = None) -> str:
+    """``CODE: message`` on one line; with ``server`` (the address as the user gave it), a
+    connection failure names that address instead of gRPC's resolved one."""
     from .client import KvserveError
 
-    if isinstance(e, KvserveError):
-        msg = e.one_line()
-    else:
-        msg = " ".join(str(e).split()) or type(e).__name__
-    print(f"kvserve {command}: {msg}", file=sys.stderr, flush=True)
+    if not isinstance(e, KvserveError):
+        return " ".join(str(e).split()) or type(e).__name__
+    msg = e.one_line()
+    if server:
+        m = _UNREACHABLE.search(msg)
+        if m:
+            why = m[1].rsplit(": ", 1)[-1]
+            hint = _HINTS.get(why.lower(), "")
+            return f"{e.code.name}: cannot connect to {server} ({why}){hint}"
+        msg = _RESOLVED.sub(server, msg)
+    return msg
+
+
+def fail(command: str, e: BaseException, server: str | None = None) -> int:
+    """Print ``kvserve COMMAND: CODE: message`` on one line; return the exit status."""
+    print(f"kvserve {command}: {error_line(e, server)}", file=sys.stderr, flush=True)
     return 1

@@ -5,6 +5,12 @@ counts, timings) goes to stderr. ``--logprobs N`` prints a table of the chosen t
 and the top-N alternatives after the text; ``--json`` prints one JSON object per event instead;
 ``--attention out.png`` asks for attention diagnostics and draws layer x head heatmaps.
 Failures print one line ``kvserve generate: CODE: message`` and exit 1.
+
+Sampling by default (as llama.cpp's CLI): temperature 0.8, top-k 40, top-p 0.95, with a random
+seed printed on stderr so that a run can be repeated (``--seed N``); a small model's greedy
+continuation is mostly a loop. ``--greedy`` takes the most likely token at every step. Any
+explicit ``--temperature`` / ``--top-k`` / ``--top-p`` / ``--min-p`` means what it always meant:
+the ones not given are off (``--temperature 0`` is greedy).
 """
 from __future__ import annotations
 
@@ -34,11 +40,15 @@ def _int_list(s: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text ('-' reads it from stdin)")
     add_connection_arguments(parser, timeout=120.0, resume=True)
-    s = parser.add_argument_group("sampling (defaults: greedy, no penalties)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s = parser.add_argument_group(
+        "sampling (default: temperature 0.8, top-k 40, top-p 0.95 and a printed random seed; "
+        "given any of --temperature/--top-k/--top-p/--min-p, the others are off; no penalties)")
+    s.add_argument("--greedy", action="store_true",
+                   help="the most likely token at every step (temperature 0)")
+    s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    s.add_argument("--top-k", type=int, default=None, help="0 = off")
     s.add_argument("--top-p", type=float, default=None, help="(0, 1]; unset = off")
-    s.add_argument("--min-p", type=float, default=0.0, help="[0, 1]; 0 = off")
+    s.add_argument("--min-p", type=float, default=None, help="[0, 1]; 0 = off")
     s.add_argument("--repetition-penalty", type=float, default=None, help="unset = off (1)")
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
@@ -69,11 +79,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no summary line on stderr")
 
 
+# what `kvserve generate` samples with when no sampling flag is given (llama.cpp's defaults)
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.0}
+_OFF = {"temperature": 0.0, "top_k": 0, "top_p": None, "min_p": 0.0}
+MAX_PRINTED_SEED = 1 << 32
+
+
+def sampling(args: argparse.Namespace) -> tuple[dict, str]:
+    """The sampling fields of the request (with the seed), and the line to print about them
+    ("" when there is nothing to say: greedy, or a seed the user gave). Raises ValueError when
+    --greedy is combined with a sampling flag."""
+    explicit = {k: getattr(args, k) for k in _OFF if getattr(args, k) is not None}
+    if args.greedy:
+        if explicit:
+            flags = ", ".join("--" + k.replace("_", "-") for k in explicit)
+            raise ValueError(f"--greedy cannot be combined with {flags}")
+        return {**_OFF, "seed": args.seed}, ""
+    chosen = {**_OFF, **explicit} if explicit else dict(DEFAULT_SAMPLING)
+    seed, line = args.seed, ""
+    if chosen["temperature"] > 0 and seed is None:
+        import secrets
+
+        seed = secrets.randbelow(MAX_PRINTED_SEED)
+        shown = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in chosen.items()
+                          if v not in (None, 0, 0.0))
+        line = (f"[sampling: {shown}, seed {seed} (--seed {seed} repeats this run; "
+                f"--greedy for the most likely tokens)]")
+    return {**chosen, "seed": seed}, line
+
+
 def _request_options(args: argparse.Namespace) -> dict:
     return dict(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, seed=args.seed,
+        frequency_penalty=args.frequency_penalty,
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, stop=args.stop,
         stop_token_ids=args.stop_token_id, ignore_eos=args.ignore_eos,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
@@ -139,12 +177,16 @@ def main(args: argparse.Namespace) -> int:
         try:
             require_matplotlib()  # before the generation runs, not after
         except ImportError as e:
-            return fail("generate", e)
+            return fail("generate", e, args.server)
+    try:
+        picked, sampling_line = sampling(args)
+    except ValueError as e:
+        return fail("generate", e)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     out: TextIO = sys.stdout
     try:
         with client_from_args(args) as client:
-            opts = _request_options(args)
+            opts = {**_request_options(args), **picked}
             prompt_ids: list[int] = []
             if args.attention:
                 info = client.model_info()
@@ -159,6 +201,9 @@ def main(args: argparse.Namespace) -> int:
             tokens: list[TokenEvent] = []
             done: Completion | None = None
             for ev in client.generate_stream(prompt, **opts):
+                if sampling_line and not args.quiet:  # once the server has taken the request
+                    print(sampling_line, file=sys.stderr, flush=True)
+                    sampling_line = ""
                 if args.json:
                     out.write(json.dumps(event_json(ev), ensure_ascii=False) + "\n")
                     out.flush()
@@ -185,9 +230,9 @@ def main(args: argparse.Namespace) -> int:
                 if not args.quiet:
                     print(f"[attention heatmaps written to {path}]", file=sys.stderr)
     except KvserveError as e:
-        return fail("generate", e)
+        return fail("generate", e, args.server)
     except (OSError, ValueError, ImportError) as e:
-        return fail("generate", e)
+        return fail("generate", e, args.server)
     if not args.quiet:
         print(summary_line(done), file=sys.stderr, flush=True)
     return 1 if done.finish_reason == "error" else 0

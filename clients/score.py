@@ -280,7 +280,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         items = read_items(inp, args.format)
     except (OSError, UnicodeDecodeError, InputError) as e:
-        return fail("score", e)
+        return fail("score", e, args.server)
     retry = RetryPolicy(max_attempts=max(0, args.retries) + 1, max_backoff=args.max_backoff)
     try:
         with client_from_args(args, retry=retry) as client:
@@ -297,9 +297,9 @@ def main(args: argparse.Namespace) -> int:
         if s:
             print(f"kvserve score: wrote {s['written']} records before the failure; rerun the "
                   f"same command to resume", file=sys.stderr)
-        return fail("score", e)
+        return fail("score", e, args.server)
     except (OSError, InputError) as e:
-        return fail("score", e)
+        return fail("score", e, args.server)
     total = summarize(list(repair_and_read_done(out).values()))
     print(f"scored {stats['written']} texts ({stats['resumed']} already in {out}, "
           f"{stats['errors']} refused); {out}: {total['records']} records, "

@@ -121,6 +121,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
             content["optimized_for"] = machine
+        readable_modes(tmp)  # before hashing: the manifest lists what is served
         write_manifest(tmp, content)
         verify_artifacts(tmp)
         bar.update()
@@ -253,3 +254,15 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids) 
     if ppl:
         content["perplexity"] = {**ppl, "eval_tokens": len(eval_ids)}
     return content
+
+
+def readable_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode a plain ``open()`` gives: 0666 less the umask
+    (0644 under 022). ``onnx.save`` writes external data (``model.onnx.data``) 0600, which a
+    server running as another user (a container's uid 10001 on a mounted host export) cannot
+    read."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            p.chmod(0o666 & ~mask)

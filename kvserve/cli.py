@@ -36,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _usage() -> str:
-    lines = ["usage: kvserve COMMAND [options]   (kvserve COMMAND --help for details)", "",
+    lines = ["usage: kvserve COMMAND [options]   (kvserve COMMAND --help for details; "
+             "kvserve --version)", "",
              "commands:"]
     for name, (module, help_) in COMMANDS.items():
         available = importlib.util.find_spec(module.rsplit(".", 1)[0]) is not None
@@ -55,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from kvserve import __version__
+
+        print(f"kvserve {__version__}")
+        return 0
     name = argv[0]
     if name not in COMMANDS:
         print(f"kvserve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig
+from .tokenizer import Tokenizer
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
-# the chat template and the special-token strings it uses (import-hf writes it; export copies it)
+# the chat template and the special-token strings it uses (import-hf copies the model's; a
+# checkpoint saved with a kvserve-trained tokenizer gets ChatML's; export copies it)
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # files a checkpoint may carry beside the weights and that export copies into the artifact
 # (import-hf copies the ones a Hugging Face model ships)
@@ -37,6 +39,9 @@ def model_state(model: Transformer) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(out: str | Path, model: Transformer, tokenizer_json: str | None = None,
                     extra_files: dict[str, bytes] | None = None) -> Path:
+    """``tokenizer_json``: a kvserve tokenizer (``tokenizer.json``; with ChatML's tokens it also
+    writes the ChatML ``tokenizer_config.json``); ``extra_files``: name -> bytes, written as given
+    (they win over both)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # Each file is written beside its final name and renamed into place: a crash never leaves
@@ -47,6 +52,9 @@ def save_checkpoint(out: str | Path, model: Transformer, tokenizer_json: str | N
     files = {CONFIG: json.dumps(model.cfg.to_dict(), indent=2, sort_keys=True).encode() + b"\n"}
     if tokenizer_json is not None:
         files[TOKENIZER] = tokenizer_json.encode()
+        chat = Tokenizer.from_str(tokenizer_json).chat_config()
+        if chat is not None:  # the tokenizer reserves ChatML's tokens: the model can chat
+            files[TOKENIZER_CONFIG] = json.dumps(chat, indent=2).encode() + b"\n"
     files.update(extra_files or {})
     for name, data in files.items():
         part = out / (name + ".tmp")

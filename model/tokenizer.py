@@ -4,7 +4,9 @@ No torch here: the server, which has no torch, uses the same class.
 
 Byte level means every byte has a token (``initial_alphabet=ByteLevel.alphabet()``), there is no
 normalizer and no prefix space, so ``decode(encode(text)) == text`` for any UTF-8 string.
-Special tokens: ``<|endoftext|>`` (end of text, joins documents in training) and ``<|pad|>``.
+Special tokens: ``<|endoftext|>`` (end of text, joins documents in training), ``<|pad|>``, and
+ChatML's ``<|im_start|>`` / ``<|im_end|>``, reserved so that every trained model can be served
+with a chat template (``chat_config``: the ``tokenizer_config.json`` a checkpoint carries).
 Decoding keeps special tokens, so a literal ``<|endoftext|>`` in the input also round-trips.
 """
 from __future__ import annotations
@@ -20,7 +22,17 @@ log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-SPECIAL_TOKENS = (EOS, PAD)
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS, PAD, IM_START, IM_END)
+# ChatML (as Qwen and SmolLM write it): each message is <|im_start|>ROLE\nCONTENT<|im_end|>\n and
+# the answer opens with <|im_start|>assistant\n; <|im_end|> is the template's eos_token, so the
+# server ends an answer there (and still at <|endoftext|>, the model's eos).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
 
 
@@ -51,6 +63,15 @@ class Tokenizer:
         self.eos_id: int | None = tok.token_to_id(EOS)
         self.pad_id: int | None = tok.token_to_id(PAD)
 
+    def chat_config(self) -> dict | None:
+        """The ``tokenizer_config.json`` of a model with this tokenizer: the ChatML template and
+        its special tokens; None when the tokenizer lacks ``<|im_start|>`` / ``<|im_end|>``
+        (one trained before they were reserved, or a foreign one)."""
+        if self.token_to_id(IM_START) is None or self.token_to_id(IM_END) is None:
+            return None
+        return {"chat_template": CHATML_TEMPLATE, "eos_token": IM_END, "pad_token": PAD,
+                "additional_special_tokens": [IM_START, IM_END]}
+
     def require_special_tokens(self) -> "Tokenizer":
         if self.eos_id is None or self.pad_id is None:
             raise ValueError(f"tokenizer lacks the special tokens {EOS!r} / {PAD!r}")
@@ -77,11 +98,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``add_special_tokens=True`` runs the tokenizer's post-processor (e.g. Llama's and
+        Gemma's BOS), as transformers' ``tokenizer(text)`` does; False (training, chat
+        renderings that write their own BOS) encodes the text alone."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    def encode_batch(self, texts: Sequence[str],
+                     add_special_tokens: bool = False) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts),
+                                                      add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

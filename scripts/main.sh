@@ -10,6 +10,9 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 CKPT=${KVSERVE_CKPT:-runs/default}
 ART=${KVSERVE_ARTIFACTS:-artifacts/default}
+# the ports first (gRPC, and KVSERVE_HTTP_PORT / KVSERVE_METRICS_PORT when set): a busy one is
+# one line now, not after the training
+kvserve serve "$ART" --check-ports
 if [ -f "$CKPT/model.safetensors" ]; then
   echo "== reusing the trained checkpoint $CKPT (delete it to retrain)"
 else
@@ -22,6 +25,7 @@ else
   echo "== exporting $CKPT to $ART (parity gate included)"
   kvserve export "$CKPT" --out "$ART" --overwrite
 fi
+kvserve serve "$ART" --check-ports  # (again: the training took minutes)
 echo "== serving $ART on port ${KVSERVE_PORT:-50051} (Ctrl-C drains and stops)"
 echo "   stream from it:  kvserve generate \"def fibonacci(n):\" --server localhost:${KVSERVE_PORT:-50051}"
 exec kvserve serve "$ART"

@@ -162,16 +162,18 @@ class ChatTemplate:
             raise ValueError(f"{TOKENIZER_CONFIG}: unusable chat template "
                              f"({type(e).__name__}: {str(e)[:_MAX_MESSAGE_IN_ERROR]})") from None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, **template_kwargs) -> str:
         """The prompt text for ``messages`` (plain dicts of strings). Raises InvalidArgument when
         the template refuses the messages (its own ``raise_exception`` or an error while
         rendering them) and FailedPrecondition when it tries to leave the sandbox."""
         # what transformers does to messages: copies of plain data, None-valued keys dropped
         msgs = [{str(k): v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._compiled.render(messages=msgs, tools=None, documents=None,
+            # as transformers: the special tokens, then chat_template_kwargs over them
+            return self._compiled.render(messages=msgs, tools=tools or None, documents=None,
                                          add_generation_prompt=bool(add_generation_prompt),
-                                         **self.special_tokens)
+                                         **{**self.special_tokens, **template_kwargs})
         except jinja2.exceptions.SecurityError as e:
             log.warning("chat template refused by the sandbox: %s", e)
             raise FailedPrecondition(UNSAFE) from None

@@ -22,9 +22,11 @@ from typing import Any
 
 from aiohttp import web
 
+from . import http_log
 from .domain import FinishEvent, FinishReason, ServingError, TokenEvent, Unavailable
 from .openai_requests import ApiError, Parsed, from_serving_error, parse_chat, \
     parse_completion, parse_json
+from .validation import is_utf8
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,10 @@ class _Sink:
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(data, ensure_ascii=False), status=status,
-                        content_type="application/json")
+    text = json.dumps(data, ensure_ascii=False)
+    if not is_utf8(text):
+        text = json.dumps(data)  # a lone surrogate echoed from the request: as a \u escape
+    return web.Response(text=text, status=status, content_type="application/json")
 
 
 def _error(e: ApiError) -> web.Response:
@@ -362,6 +366,7 @@ class HttpServer:
         self._error: BaseException | None = None
 
     def start(self) -> int:
+        http_log.install()  # the requests aiohttp's parser refuses: one line each
         self._thread = threading.Thread(target=self._run, name="kvserve-http", daemon=True)
         self._thread.start()
         self._started.wait()

@@ -15,6 +15,10 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifacts", help="artifact directory written by `kvserve export`")
+    parser.add_argument("--check-ports", action="store_true",
+                        help="only check that the ports (--port, --http-port, --metrics-port) "
+                             "are free, then exit: 0 when they are (scripts/main.sh runs it "
+                             "before training)")
     ServerConfig.add_arguments(parser)
 
 
@@ -47,6 +51,35 @@ def check_port(host: str, port: int, flag: str = "port") -> None:
         raise OSError(f"cannot listen on {host}:{port} (--{flag}): {failed[0]}")
 
 
+def _export_hint(args: argparse.Namespace) -> str:
+    """When ARTIFACTS is a checkpoint (``kvserve train`` / ``import-hf`` output), the command that
+    makes an artifact of it."""
+    from pathlib import Path
+
+    from kvserve.artifact.manifest import MANIFEST
+
+    d = Path(args.artifacts)
+    if (d / MANIFEST).is_file() or not (d / "model.safetensors").is_file():
+        return ""
+    out = Path("artifacts") / (d.resolve().name or "model")
+    return (f"; it is a checkpoint: make an artifact of it with "
+            f"`kvserve export {args.artifacts} --out {out}`, then serve that")
+
+
+def check_ports(cfg: ServerConfig) -> None:
+    """Every port the server will listen on (gRPC, --http-port, --metrics-port), each free and
+    no two the same; raises OSError with one line naming the port and its flag."""
+    ports = [("port", cfg.port), ("http-port", cfg.http_port), ("metrics-port", cfg.metrics_port)]
+    ports = [(flag, port) for flag, port in ports if port > 0]  # -1 off, 0 any free port
+    seen: dict[int, str] = {}
+    for flag, port in ports:
+        if port in seen:
+            raise OSError(f"--{seen[port]} and --{flag} are both {port}: each needs its own port")
+        seen[port] = flag
+    for flag, port in ports:
+        check_port(cfg.host, port, flag)
+
+
 def main(args: argparse.Namespace) -> int:
     from .app import App, ArtifactError
 
@@ -56,12 +89,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 2
     try:  # before the model is verified and loaded: a busy port costs no wait
-        check_port(cfg.host, cfg.port, "port")
-        if cfg.metrics_port > 0:
-            check_port(cfg.host, cfg.metrics_port, "metrics-port")
+        check_ports(cfg)
     except OSError as e:
         print(f"kvserve serve: {e}", file=sys.stderr)
         return 1
+    if args.check_ports:
+        return 0
     log.debug("config: %s", cfg.public_dict())
     # Signals are received synchronously by this thread (sigtimedwait below): blocked here,
     # before any thread exists, every thread inherits the mask, so a SIGTERM is never handled
@@ -72,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         app.load()
     except ArtifactError as e:
-        print(f"kvserve serve: refusing to serve {args.artifacts}: {e}", file=sys.stderr)
+        print(f"kvserve serve: refusing to serve {args.artifacts}: {e}{_export_hint(args)}",
+              file=sys.stderr)
         return 1
     try:
         app.start()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from . import validation as V
+from .chat_messages import message_dict
+from .chat_messages import template_kwargs as template_kwargs_check
 from .chat_template import NO_TEMPLATE, ChatTemplate
 from .domain import FailedPrecondition, InvalidArgument
 
@@ -18,13 +20,27 @@ class Prompts:
         self.tok, self.lim = tokenizer, limits
         self.template, self.template_error = template, template_error
 
-    def text(self, text: str, name: str = "text") -> list[int]:
-        return self.tok.encode(V.check_text(name, text, self.lim))
+    def text(self, text: str, name: str = "text", add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids exactly as transformers' ``AutoTokenizer(text)`` gives them: the
+        tokenizer.json's post-processor adds what the model expects (Llama 2/3's and Gemma's
+        BOS; none for Qwen or the BPEs trained here). transformers >= 5 reads no
+        ``add_bos_token``/``add_eos_token`` from tokenizer_config.json once a tokenizer.json
+        exists, so neither does this (docs/structured-outputs.md, "Tokenization")."""
+        return self.tok.encode(V.check_text(name, text, self.lim),
+                               add_special_tokens=add_special_tokens)
+
+    def texts(self, texts: Sequence[str], limit: int, name=lambda i: f"texts[{i}]",
+              add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts (Score, Tokenize), each checked, ``limit`` characters in all."""
+        checked = V.check_texts(texts, limit, self.lim, name)
+        return self.tok.encode_batch(checked, add_special_tokens=add_special_tokens)
 
     def ids(self, ids: Sequence[int], name: str = "token_ids") -> list[int]:
         return V.check_ids(name, ids, self.lim, max_len=self.lim.max_context)
 
-    def check_messages(self, messages: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
+    def check_messages(self, messages: Sequence) -> list[dict]:
+        """(role, content) pairs or message dicts (``chat_messages.MESSAGE_KEYS``: assistant
+        ``tool_calls``, ``tool`` results), checked and bounded."""
         c = self.lim.cfg
         if not messages:
             raise InvalidArgument("the chat has no messages (it needs at least 1)")
@@ -33,28 +49,73 @@ class Prompts:
                                   f"{c.max_chat_messages}")
         total = 0
         out = []
-        for i, (role, content) in enumerate(messages):
-            if not isinstance(role, str) or not isinstance(content, str):
-                raise InvalidArgument(f"messages[{i}]: role and content must be strings")
-            if not role or len(role) > MAX_ROLE_CHARS or not role.isprintable():
+        for i, m in enumerate(messages):
+            if isinstance(m, dict):
+                msg, size = message_dict(i, m)
+            else:
+                role, content = m
+                if not isinstance(role, str) or not isinstance(content, str):
+                    raise InvalidArgument(f"messages[{i}]: role and content must be strings")
+                msg, size = {"role": role, "content": content}, len(content)
+            role = msg["role"]
+            if not isinstance(role, str) or not role or len(role) > MAX_ROLE_CHARS \
+                    or not role.isprintable():
                 raise InvalidArgument(f"messages[{i}].role must be 1 to {MAX_ROLE_CHARS} "
                                       "printable characters")
-            total += len(role) + len(content)
+            V.check_unicode(f"messages[{i}].role", role)
+            if isinstance(msg.get("content"), str):
+                V.check_unicode(f"messages[{i}].content", msg["content"])
+            total += len(role) + size
             if total > c.max_chat_chars:
                 raise InvalidArgument(f"the chat's messages have over {c.max_chat_chars} "
                                       f"characters in all; the limit is {c.max_chat_chars}")
-            out.append({"role": role, "content": content})
+            out.append(msg)
         return out
 
-    def render(self, messages: Sequence[tuple[str, str]],
-               add_generation_prompt: bool = True) -> str:
-        """The chat rendered with the model's template (the prompt text)."""
+    def render(self, messages: Sequence, add_generation_prompt: bool = True,
+               continue_final_message: bool = False, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> str:
+        """The chat rendered with the model's template (the prompt text).
+        ``continue_final_message``: the text ends with the last message's content (its end of
+        turn cut off), so the model continues it (transformers' apply_chat_template rule).
+        ``tools``: the request's tools as the template receives them (``Tool.raw``);
+        ``template_kwargs``: ``chat_template_kwargs`` (checked here)."""
+        kw = {"tools": tools, **template_kwargs_check(template_kwargs)}
         if self.template is None:
             raise FailedPrecondition(self.template_error or NO_TEMPLATE)
         msgs = self.check_messages(messages)
-        return self.template.render(msgs, add_generation_prompt=add_generation_prompt)
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidArgument("continue_final_message and add_generation_prompt cannot "
+                                      "both be true")
+            if not isinstance(msgs[-1].get("content"), str):
+                raise InvalidArgument("continue_final_message: the final message has no content "
+                                      "to continue")
+            msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + CONTINUE_TAG}
+            return cut_at_tag(self.template.render(msgs, add_generation_prompt=False, **kw))
+        return self.template.render(msgs, add_generation_prompt=add_generation_prompt, **kw)
 
-    def chat(self, messages: Sequence[tuple[str, str]],
-             add_generation_prompt: bool = True) -> list[int]:
-        return self.text(self.render(messages, add_generation_prompt),
-                         name="the rendered chat prompt")
+    def chat(self, messages: Sequence, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             template_kwargs: dict | None = None) -> list[int]:
+        # The template writes its own BOS: encoded as transformers' apply_chat_template
+        # (tokenize=True) does, without the post-processor's (never a second BOS).
+        text = self.render(messages, add_generation_prompt, continue_final_message, tools,
+                           template_kwargs)
+        return self.text(text, name="the rendered chat prompt", add_special_tokens=False)
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def cut_at_tag(rendered: str) -> str:
+    """transformers' continue_final_message rule: the final message is rendered with a tag
+    appended and the text is cut where the tag is (the whitespace before it dropped as well
+    when the template trimmed the tag's own trailing space)."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise InvalidArgument("continue_final_message: the final message does not appear in "
+                              "the rendered chat (the template changes its content)")
+    if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()

@@ -66,10 +66,34 @@ def check_request_id(rid: str) -> str:
     return rid
 
 
+def is_utf8(text: str) -> bool:
+    """False for a str UTF-8 cannot encode: one with a lone surrogate."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_unicode(name: str, text: str) -> str:
+    """``text`` is a str that UTF-8 can encode. gRPC strings always are (protobuf checks them);
+    a JSON string can carry a lone surrogate (``"\\ud800"``), which the tokenizer refuses with
+    a TypeError: it is refused here, naming the field."""
+    _need(isinstance(text, str), f"{name} must be a string")
+    if not is_utf8(text):
+        e = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+        raise InvalidArgument(f"{name} is not valid Unicode (a lone surrogate {text[e]!r} at "
+                              f"character {e}; UTF-8 text only)")
+    return text
+
+
 def check_text(name: str, text: str, lim: Limits) -> str:
+    """Every text bound for the tokenizer goes through here: its length and its encoding."""
     _need(len(text) <= lim.cfg.max_prompt_chars,
           f"{name} has {len(text)} characters; the limit is {lim.cfg.max_prompt_chars}")
-    return text
+    return check_unicode(name, text)
 
 
 def check_ids(name: str, ids: Sequence[int], lim: Limits, max_len: int | None = None) -> list[int]:
@@ -128,9 +152,10 @@ def stop_params(*, prompt_len: int, max_new_tokens: int, min_new_tokens: int,
     _need(0 <= min_new_tokens <= n, "stopping.min_new_tokens must be in [0, max_new_tokens]")
     _need(len(stop) <= c.max_stop_strings,
           f"stopping.stop has {len(stop)} strings; the limit is {c.max_stop_strings}")
-    for s in stop:
+    for i, s in enumerate(stop):
         _need(0 < len(s) <= c.max_stop_string_chars,
               f"each stopping.stop string must have 1 to {c.max_stop_string_chars} characters")
+        check_unicode(f"stopping.stop[{i}]", s)
     _need(len(stop_token_ids) <= c.max_stop_token_ids,
           f"stopping.stop_token_ids has {len(stop_token_ids)} ids; the limit is "
           f"{c.max_stop_token_ids}")

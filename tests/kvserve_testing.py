@@ -38,11 +38,15 @@ class Artifact:
     cfg: object  # ModelConfig
 
 
-def build_artifact(root: Path, attention: bool = True, out_name: str = "artifact") -> Artifact:
+def build_artifact(root: Path, attention: bool = True, out_name: str = "artifact",
+                   chat: bool = False) -> Artifact:
+    """``chat``: the checkpoint saved as ``kvserve train`` saves it (its tokenizer reserves
+    ChatML's tokens, so it carries the ChatML template); without it the tokenizer goes in as a
+    plain file, as for an imported model without a template (the session's plain artifact)."""
     import torch
 
     from kvserve.export.pipeline import export_artifacts
-    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.checkpoint import TOKENIZER, save_checkpoint
     from kvserve.model.config import preset
     from kvserve.model.tokenizer import train_bpe
     from kvserve.model.transformer import Transformer
@@ -52,7 +56,11 @@ def build_artifact(root: Path, attention: bool = True, out_name: str = "artifact
                  pad_token_id=tok.pad_id, init_std=0.1)
     torch.manual_seed(SEED)
     model = Transformer(cfg).eval()
-    ckpt = save_checkpoint(root / "ckpt", model, tokenizer_json=tok.to_str())
+    if chat:
+        ckpt = save_checkpoint(root / "ckpt", model, tokenizer_json=tok.to_str())
+    else:
+        ckpt = save_checkpoint(root / "ckpt", model,
+                               extra_files={TOKENIZER: tok.to_str().encode()})
     out = export_artifacts(ckpt, root / out_name, attention=attention, precision="fp32",
                            progress=False, threads=2)
     return Artifact(Path(out), model, tok, cfg)

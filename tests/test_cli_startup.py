@@ -52,3 +52,19 @@ def test_export_precision_choices_match_the_pipeline():
     from kvserve.export import cli, pipeline
 
     assert cli.PRECISIONS == pipeline.PRECISIONS
+
+
+def test_version_is_the_package_version():
+    import tomllib
+    from pathlib import Path
+
+    from kvserve import __version__
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml")
+                              .read_text())
+    assert __version__ == pyproject["project"]["version"]
+    for flag in ("--version", "-V"):
+        r = subprocess.run([sys.executable, "-m", "kvserve.cli", flag], capture_output=True,
+                           text=True, timeout=120)
+        assert (r.returncode, r.stdout, r.stderr) == (0, f"kvserve {__version__}\n", "")
+    assert probe("--version") == {"rc": 0, "heavy": []}

@@ -4,6 +4,7 @@ session goes on, /reset clears the history, Ctrl-D quits with 0."""
 from __future__ import annotations
 
 import os
+import platform
 import pty
 import re
 import select
@@ -15,6 +16,11 @@ import time
 import pytest
 
 from chat_helpers import TOKEN
+
+
+# the syscalls a thread waiting on a terminal is blocked in: read, poll, select, pselect6, ppoll
+_INPUT_SYSCALLS = {"x86_64": {"0", "7", "23", "270", "271"},
+                   "aarch64": {"63", "72", "73"}}
 
 
 class Pty:
@@ -49,6 +55,27 @@ class Pty:
 
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
+
+    def wait_reading(self, timeout: float = 60.0) -> None:
+        """Until the program's main thread is blocked waiting for terminal input (readline's
+        select): a Ctrl-C sent before that is only seen with the next key (CPython's readline
+        checks signals in its select loop), which a fixed sleep cannot rule out on a loaded
+        machine. Read from /proc/PID/syscall (the syscall the thread is blocked in)."""
+        waiting = _INPUT_SYSCALLS.get(platform.machine())
+        if waiting is None or not os.path.exists(f"/proc/{self.pid}/syscall"):
+            pytest.skip("needs /proc/PID/syscall on a known architecture")
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                with open(f"/proc/{self.pid}/syscall") as f:
+                    nr = f.read().split(maxsplit=1)[0]
+            except (OSError, IndexError):
+                nr = ""
+            if nr in waiting:
+                return
+            assert time.monotonic() < end, f"kvserve chat never waited for input ({nr!r})"
+            time.sleep(0.01)
+
 
     def wait(self, timeout: float = 20.0) -> int:
         end = time.monotonic() + timeout
@@ -98,7 +125,7 @@ def test_chat_on_a_terminal(chat_app):
         # Ctrl-C at the prompt: a fresh prompt, not the end. Pressed once the prompt waits:
         # a SIGINT that lands between readline writing the prompt and entering its select()
         # is only seen with the next key (CPython's readline; no person types that fast)
-        time.sleep(0.3)
+        p.wait_reading()
         p.send(b"\x03")
         p.expect(rb"you> ")
         p.send(b"\x04")  # Ctrl-D quits
@@ -138,7 +165,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
             seen.append(got[-300:])
             if b"[stopped]" not in got:
                 continue
-            end = time.monotonic() + 5
+            end = time.monotonic() + 60  # (a deadline on state: returns once it holds)
             while not stopped and time.monotonic() < end:  # the server cancelled it
                 stopped = chat_app.metrics.requests.get(rpc="Generate",
                                                         outcome="cancelled") > before

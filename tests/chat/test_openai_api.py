@@ -142,14 +142,21 @@ def test_every_eos_id_stops(chat_app, chat_artifact, chat_stub):
     info = chat_stub.ModelInfo(pb.ModelInfoRequest(), metadata=AUTH)
     assert info.chat_template_available
     assert set(info.eos_token_ids) == {tok.eos_id, tok.token_to_id("<|im_end|>")}
-    # the engine stops on each of them: make the model's 3rd greedy token an EOS id
-    chunks, _ = collect(chat_stub.Generate(gen_request("for i in", 6), metadata=AUTH))
-    third = chunks[2].id
+    # the engine stops on each of them: make the model's 3rd greedy token an EOS id (a prompt
+    # whose first two greedy tokens are neither that token nor an EOS id: the random model
+    # often repeats one token)
     engine = chat_app.engine
     saved = engine.eos_ids
+    for prompt in ("for i in", "def add(a, b):", "class Point:", "naïve café", "x = [1, 2]"):
+        chunks, _ = collect(chat_stub.Generate(gen_request(prompt, 6), metadata=AUTH))
+        third = chunks[2].id
+        if third not in saved and not {c.id for c in chunks[:2]} & (saved | {third}):
+            break
+    else:
+        pytest.fail("no prompt whose greedy answer starts with 3 distinct non-EOS tokens")
     engine.eos_ids = saved | {third}
     try:
-        chunks, done = collect(chat_stub.Generate(gen_request("for i in", 6, ignore_eos=False),
+        chunks, done = collect(chat_stub.Generate(gen_request(prompt, 6, ignore_eos=False),
                                                   metadata=AUTH))
     finally:
         engine.eos_ids = saved

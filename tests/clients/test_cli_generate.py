@@ -12,7 +12,7 @@ from client_helpers import free_port, run_cli
 from kvserve.clients import Client
 
 PROMPT = "def add(a, b):"
-ARGS = ("--max-new-tokens", "16", "--ignore-eos")
+ARGS = ("--max-new-tokens", "16", "--ignore-eos", "--greedy")
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +164,39 @@ def test_attention_without_matplotlib_fails_before_any_request(cli, monkeypatch,
     assert rc == 1 and out == ""
     assert err == "kvserve generate: --attention needs matplotlib: pip install 'kvserve[viz]'\n"
     assert not (tmp_path / "a.png").exists()
+
+
+def test_default_samples_with_a_printed_seed_that_repeats_the_run(cli, target, reference):
+    """No sampling flag: temperature 0.8 / top-k 40 / top-p 0.95 and a random seed, printed
+    on stderr; --seed N with the same flags gives the same text, the seed's line is not
+    repeated (the user chose it)."""
+    import re
+
+    args = ("generate", PROMPT, "--server", target, "--max-new-tokens", "16", "--ignore-eos")
+    rc, out, err = cli(*args)
+    assert rc == 0, err
+    first = err.splitlines()[0]
+    m = re.fullmatch(r"\[sampling: temperature 0\.8, top-k 40, top-p 0\.95, seed (\d+) "
+                     r"\(--seed \1 repeats this run; --greedy for the most likely tokens\)\]",
+                     first)
+    assert m, err
+    rc, again, err2 = cli(*args, "--seed", m[1])
+    assert rc == 0 and again == out and "[sampling:" not in err2
+    with Client(target) as c:
+        want = c.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=0.8,
+                          top_k=40, top_p=0.95, seed=int(m[1]))
+    assert out == want.text + ("" if want.text.endswith("\n") else "\n")
+
+
+def test_explicit_flags_keep_their_meaning(cli, target, reference):
+    """--temperature 0 is greedy as before (no seed line); --greedy with a sampling flag is
+    one line; --quiet prints no seed line."""
+    base = ("generate", PROMPT, "--server", target, "--max-new-tokens", "16", "--ignore-eos")
+    rc, out, err = cli(*base, "--temperature", "0")
+    assert rc == 0 and "[sampling:" not in err
+    assert out == reference.text + ("" if reference.text.endswith("\n") else "\n")
+    rc, out, err = cli(*base, "--greedy", "--top-k", "5")
+    assert rc == 1 and out == ""
+    assert err.strip() == "kvserve generate: --greedy cannot be combined with --top-k"
+    rc, out, err = cli(*base, "--quiet")
+    assert rc == 0 and err == ""

@@ -187,3 +187,61 @@ def test_template_renders_as_the_nginx_image_renders_it(cfg):
                           env={**os.environ, **env}, check=True).stdout
     assert render_template(text, env, prefix=flt) == real
     assert "${" not in real and "server server-1:" in real
+
+
+def test_debian_nginx_entrypoint_renders_like_the_official_image(cfg, tmp_path):
+    """docker/nginx-entrypoint.sh (the local Debian nginx image's, docker/base-images.sh):
+    the compose file's NGINX_ENVSUBST_* settings give the same kvserve.conf as the official
+    image's envsubst step (render_template), then it runs the command."""
+    import os
+    import shutil
+
+    from deploy_helpers import NGINX_DIR, NGINX_TEMPLATE, render_template
+
+    if shutil.which("envsubst") is None:
+        pytest.skip("envsubst (gettext-base) is not installed")
+    nginx = cfg["services"]["nginx"]["environment"]
+    assert nginx["NGINX_ENVSUBST_TEMPLATE_DIR"] == "/etc/nginx/templates"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nginx").write_text('#!/bin/sh\necho "ran nginx $*"\n')
+    (bindir / "nginx").chmod(0o755)
+    env = {k: str(v) for k, v in nginx.items()}
+    env.update(NGINX_ENVSUBST_TEMPLATE_DIR=str(NGINX_DIR / "templates"),
+               NGINX_ENVSUBST_OUTPUT_DIR=str(tmp_path / "out"), UNRELATED="x",
+               PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["sh", str(REPO / "docker" / "nginx-entrypoint.sh"), "nginx", "-g",
+                          "daemon off;"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout == "ran nginx -g daemon off;\n", out
+    flt = nginx["NGINX_ENVSUBST_FILTER"]
+    want = render_template(NGINX_TEMPLATE.read_text(),
+                           {k: v for k, v in env.items() if re.match(flt, k)}, prefix=flt)
+    assert (tmp_path / "out" / "kvserve.conf").read_text() == want
+
+
+def test_hardening_settings(cfg):
+    """The serving containers' hardening (run for real in test_docker_e2e.py)."""
+    s = cfg["services"]
+    for name in (*server_services(cfg), "model-builder"):
+        svc = s[name]
+        assert svc["user"] == "10001:10001", name
+        assert svc["cap_drop"] == ["ALL"] and not svc.get("cap_add"), name
+        assert svc["security_opt"] == ["no-new-privileges:true"], name
+        assert svc["read_only"] is True and svc["tmpfs"] == ["/tmp"], name
+    assert s["nginx"]["cap_drop"] == ["ALL"]
+    assert sorted(s["nginx"]["cap_add"]) == ["CHOWN", "SETGID", "SETUID"]
+    assert s["nginx"]["security_opt"] == ["no-new-privileges:true"]
+
+
+def test_base_images_are_settings_with_the_hub_defaults():
+    """Without Docker Hub the bases are local images named in the environment; by default
+    the file names the public ones."""
+    local = {"KVSERVE_PYTHON_IMAGE": "kvserve-base/python:bookworm",
+             "KVSERVE_NGINX_IMAGE": "kvserve-base/nginx:bookworm",
+             "KVSERVE_PROMETHEUS_IMAGE": "local/prometheus:1"}
+    for env, want in (({}, ("python:3.11-slim", "nginx:1.27-alpine", "prom/prometheus:v3.1.0")),
+                      (local, tuple(local.values()))):
+        s = compose_yaml(env)["services"]
+        for name in (*server_services({"services": s}), "model-builder"):
+            assert s[name]["build"]["args"]["PYTHON_IMAGE"] == want[0], name
+        assert (s["nginx"]["image"], s["prometheus"]["image"]) == want[1:]

@@ -1,5 +1,6 @@
-"""docker/Dockerfile, parsed: the stages exist, the server stage never installs torch, the
-model-builder gets the CPU torch from the PyTorch CPU index, both run as a non-root user, every
+"""docker/Dockerfile, parsed: the stages exist, it builds without Docker Hub (no `# syntax`
+pull, the base a build argument), the server stage never installs torch, the model-builder gets
+the CPU torch from the PyTorch CPU index (a build argument), both run as a non-root user, every
 COPY source exists and is inside the build context that .dockerignore leaves; and that context,
 copied out, really builds the wheel with the generated gRPC stubs (the wheel stage's command)."""
 from __future__ import annotations
@@ -150,6 +151,23 @@ def test_stages_and_bases(stages):
         assert stages[name].base == "python:3.11-slim", name
 
 
+def test_builds_without_docker_hub():
+    """No `# syntax=` line (BuildKit would pull that frontend image from Docker Hub before
+    building), every stage's base is the PYTHON_IMAGE build argument, and pip's build-machine
+    sources come in as optional secrets on every pip command (never in a layer)."""
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    global_args, _ = parse_dockerfile(text)
+    assert global_args == {"PYTHON_IMAGE": "python:3.11-slim"}
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
+    assert froms and set(froms) == {"${PYTHON_IMAGE}"}, froms
+    runs = [c for c in re.split(r"\n(?=[A-Z]+ )", text) if re.search(r"\bpip (install|wheel)\b", c)]
+    assert len(runs) == 3
+    for cmd in runs:
+        assert "--mount=type=secret,id=pip.conf,target=/etc/pip.conf" in cmd, cmd
+        assert "--mount=type=secret,id=pip-ca" in cmd, cmd
+
+
 def _pip_installs(stage: Stage) -> list[str]:
     cmds = [c.strip() for i in stage.all("RUN") for c in re.split(r"&&|;|\|\|", i.args)]
     cmds = [re.sub(r"^(--mount=\S+\s+)+", "", c) for c in cmds]  # RUN flags
@@ -171,7 +189,10 @@ def test_server_stage_never_installs_torch(stages):
 
 def test_model_builder_gets_cpu_torch_from_the_pytorch_index(stages):
     (install,) = _pip_installs(stages["model-builder"])
-    assert f"--extra-index-url {TORCH_CPU_INDEX}" in install
+    # the index is a build argument (empty: the build's own pip sources hold the CPU wheel)
+    assert [a.args for a in stages["model-builder"].all("ARG")] == [
+        f"TORCH_INDEX={TORCH_CPU_INDEX}"]
+    assert '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in install
     assert "[train]" in install
     # the index is named in the Dockerfile only: the project's own install stays as it is
     for f in ("pyproject.toml", "setup.py", "scripts/install.sh", "scripts/test.sh", ".ci/run"):

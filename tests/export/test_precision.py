@@ -24,7 +24,8 @@ def test_precision_artifact(store, precision):
     assert m["precision"] == precision
     assert not (art / "_fp32").exists()
     assert sorted(p.name for p in art.iterdir()) == sorted(
-        ["config.json", "tokenizer.json", "manifest.json", "model.onnx", "model.onnx.data"])
+        ["config.json", "tokenizer.json", "tokenizer_config.json", "manifest.json", "model.onnx",
+         "model.onnx.data"])  # tokenizer_config.json: ChatML, from the kvserve tokenizer
     assert m["kind"] == "fused"
 
     fp32, q = m["parity"]["fp32"], m["parity"][precision]

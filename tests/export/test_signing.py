@@ -171,3 +171,33 @@ def test_serve_loads_a_signed_artifact(signed, keys):
     app = App(signed, server_config(trusted_key=str(keys / "a.pub")))
     app.load()  # verified, signature included; nothing to serve here
     assert app.lm.cfg.n_layers >= 1
+
+
+def test_generate_key_makes_its_directory(tmp_path, monkeypatch, capsys):
+    """`kvserve sign --generate-key keys/release` as the README writes it, with no keys/ yet:
+    the directory is made (0700), the private key is 0600, and keys/ is git-ignored."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVSERVE_SIGN_KEY_PASSWORD", raising=False)
+    assert cli.main(["sign", "--generate-key", "keys/release"]) == 0
+    assert (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "keys" / "release").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "keys" / "release.pub").is_file()
+    assert "wrote keys/release" in capsys.readouterr().out
+    (tmp_path / "file").write_text("x")  # a path under a file: one line, no traceback
+    assert cli.main(["sign", "--generate-key", "file/k"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve sign: FAILED: ") and len(err.splitlines()) == 1, err
+
+
+def test_the_readme_key_directory_is_git_ignored():
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("needs git and a checkout")
+    for path in ("keys/release", "keys/release.pub"):
+        r = subprocess.run(["git", "-C", str(repo), "check-ignore", "-q", path],
+                           capture_output=True)
+        assert r.returncode == 0, f"{path} is not git-ignored"

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -126,14 +127,35 @@ def served(artifact_dir, tmp: Path, *extra, env=None, step_delay: float = 0.0):
 
 
 def slow_decode(monkeypatch, app, seconds: float) -> None:
-    """In-process: every decode step of ``app`` sleeps ``seconds`` first (a slow model)."""
+    """In-process: every model step of ``app`` (decode, and speculation's verify) sleeps
+    ``seconds`` first (a slow model)."""
+    for name in ("decode", "verify"):
+        orig = getattr(app.lm, name)
+
+        def slowed(*a, _orig=orig, **kw):
+            time.sleep(seconds)
+            return _orig(*a, **kw)
+
+        monkeypatch.setattr(app.lm, name, slowed)
+
+
+def held_decode(monkeypatch, app, hold, seconds: float, timeout: float = 60.0
+                ) -> threading.Event:
+    """In-process: every decode step of ``app`` sleeps ``seconds`` (as ``slow_decode``) and,
+    once ``hold()`` is true, waits until the returned Event is set: from then on the model
+    makes no progress until the test says so (``timeout`` only keeps a broken test from
+    hanging). ``hold`` runs on the engine thread, before the step."""
+    go = threading.Event()
     orig = app.lm.decode
 
     def decode(*a, **kw):
+        if not go.is_set() and hold():
+            go.wait(timeout)
         time.sleep(seconds)
         return orig(*a, **kw)
 
     monkeypatch.setattr(app.lm, "decode", decode)
+    return go
 
 
 # --- TLS -----------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ def _slowed(decode):
     return slow_decode
 
 
-for runner in (FusedLM, PortableLM):
+for runner in (FusedLM, PortableLM):  # every model step: decode, and speculation's verify
     runner.decode = _slowed(runner.decode)
+    runner.verify = _slowed(runner.verify)
 
 if __name__ == "__main__":
     sys.exit(cli.main(sys.argv[2:]))

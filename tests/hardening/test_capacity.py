@@ -13,14 +13,15 @@ import time
 import grpc
 import pytest
 
-from hardening_helpers import (collect, gen_request, outcome, running_app, scrape, slow_decode,
-                               wait_for)
+from hardening_helpers import (collect, gen_request, held_decode, outcome, running_app, scrape,
+                               slow_decode, wait_for)
 
 from kvserve.server import engine as engine_mod
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 
 N, Q = 2, 2  # max_batch, max_queue of the small server
 STEP = 0.01  # seconds per decode step (slowed down)
+LONG = 200  # tokens: 2 s at least per generation, longer than the steps that set a test up
 
 
 @pytest.fixture(scope="module")
@@ -41,22 +42,28 @@ def queued(app) -> float:
 
 
 def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
-    """max_batch N decoding and max_queue Q waiting: call N+Q+1 is RESOURCE_EXHAUSTED in well
-    under a second; the N+Q in flight all complete; a call once capacity frees succeeds."""
+    """max_batch N decoding and max_queue Q waiting: call N+Q+1 is RESOURCE_EXHAUSTED while the
+    model is held (no decode step runs once N sequences are in the batch: the refusal waits for
+    no capacity to free); the N+Q in flight all complete; a call once capacity frees succeeds."""
     app, stub = small
-    slow_decode(monkeypatch, app, STEP)
-    calls = [stub.Generate(gen_request("x", 60)) for _ in range(N)]
-    assert wait_for(lambda: running(app) == N, 10)
-    calls += [stub.Generate(gen_request("x", 60)) for _ in range(Q)]
-    assert wait_for(lambda: running(app) == N and queued(app) == Q, 10)
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        collect(stub.Generate(gen_request("z", 2), timeout=30))
-    elapsed = time.monotonic() - t0
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "capacity" in e.value.details() and "retry" in e.value.details()
-    assert elapsed < 1.0, elapsed
-    assert outcome(scrape(app.metrics_server.port), "QueueFull") >= 1
+    go = held_decode(monkeypatch, app, lambda: len(app.engine.active) >= N, STEP)
+    try:
+        # (the engine's own counts: the gauges are updated after the step that is held)
+        calls = [stub.Generate(gen_request("x", LONG)) for _ in range(N)]
+        assert wait_for(lambda: app.engine.load()["running"] == N, 30)
+        calls += [stub.Generate(gen_request("x", LONG)) for _ in range(Q)]
+        full = {"running": N, "queued": Q, "score_jobs": 0}
+        assert wait_for(lambda: app.engine.load() == full, 30)
+        steps = app.engine.steps
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Generate(gen_request("z", 2), timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "capacity" in e.value.details() and "retry" in e.value.details()
+        # refused with every slot still busy and no step taken: nothing was waited for
+        assert app.engine.steps == steps and app.engine.load() == full
+        assert outcome(scrape(app.metrics_server.port), "QueueFull") >= 1
+    finally:
+        go.set()
 
     # A slot frees: a call sent the moment a stream ends is accepted, even while the engine
     # has not yet compacted its batch (held here for 0.3 s after a sequence finishes, as a busy
@@ -70,13 +77,13 @@ def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
 
     monkeypatch.setattr(app.engine.sched, "retire_done", slow_retire)
     chunks, done = collect(calls[0])
-    assert done.generated_tokens == len(chunks) == 60
+    assert done.generated_tokens == len(chunks) == LONG
     _, done = collect(stub.Generate(gen_request("z", 2), timeout=30))
     assert done.generated_tokens == 2
     for c in calls[1:]:
         chunks, done = collect(c)
-        assert done.generated_tokens == len(chunks) == 60
-    assert wait_for(lambda: running(app) == 0 and queued(app) == 0, 5)
+        assert done.generated_tokens == len(chunks) == LONG
+    assert wait_for(lambda: running(app) == 0 and queued(app) == 0, 30)
 
 
 def test_cancel_mid_stream_frees_the_slot_within_one_decode_step(hsrv, monkeypatch):
@@ -95,9 +102,9 @@ def test_cancel_mid_stream_frees_the_slot_within_one_decode_step(hsrv, monkeypat
     before = scrape(port)
     call = hsrv.stub.Generate(gen_request("x", 200))
     next(call), next(call)
-    assert wait_for(lambda: running(app) == 1, 5)
+    assert wait_for(lambda: running(app) == 1, 30)
     call.cancel()
-    assert wait_for(lambda: running(app) == 0, 2), "the slot was not freed"
+    assert wait_for(lambda: running(app) == 0, 30), "the slot was not freed"
     assert len(at_cancel) == 1
     # the step that was running when the cancellation arrived may finish; no other starts
     assert app.engine.steps - at_cancel[0] <= 1
@@ -123,11 +130,11 @@ def test_cancelled_queued_request_never_runs(small, monkeypatch):
     port = app.metrics_server.port
     before = scrape(port)
     busy = [stub.Generate(gen_request([7] * 3, 40)) for _ in range(N)]
-    assert wait_for(lambda: running(app) == N, 10)
+    assert wait_for(lambda: running(app) == N, 30)
     victim = stub.Generate(gen_request([9] * 11, 40))  # 11 prompt tokens: easy to tell apart
-    assert wait_for(lambda: queued(app) == 1, 5)
+    assert wait_for(lambda: queued(app) == 1, 30)
     victim.cancel()
-    assert wait_for(lambda: queued(app) == 0, 2)
+    assert wait_for(lambda: queued(app) == 0, 30)
     assert running(app) == N
     for c in busy:
         assert collect(c)[1].generated_tokens == 40
@@ -148,13 +155,12 @@ def test_deadline_200ms_on_a_long_generation_stops_the_work(hsrv, monkeypatch):
     slow_decode(monkeypatch, app, STEP)  # 200 tokens would take >= 2 s
     port = app.metrics_server.port
     before = scrape(port)
-    t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
         collect(hsrv.stub.Generate(gen_request("x", 200), timeout=0.2))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - t0 < 1.0
-    # the engine stops decoding it: the running gauge is back to 0 right away ...
-    assert wait_for(lambda: running(app) == 0, 0.5)
+    # the engine stops decoding it: the running gauge goes back to 0 long before the 200
+    # tokens could have been made (the generated count below) ...
+    assert wait_for(lambda: running(app) == 0, 30)
     after = scrape(port)
     generated = after["kvserve_generated_tokens_total"] - before["kvserve_generated_tokens_total"]
     assert generated < 100, generated
@@ -197,6 +203,7 @@ def test_many_cancels_and_deadlines_leave_no_running_sequence(hsrv, monkeypatch)
     for t in threads:
         t.join(30)
     assert not errors
-    assert wait_for(lambda: app.engine.load() == {"running": 0, "queued": 0, "score_jobs": 0}, 3)
+    assert wait_for(lambda: app.engine.load() == {"running": 0, "queued": 0, "score_jobs": 0},
+                    30)
     assert running(app) == 0 and queued(app) == 0
     assert hsrv.healthy()

@@ -91,3 +91,35 @@ def test_foreign_tokenizer_without_our_special_tokens_loads():
     assert tok.encode("hello")
     with pytest.raises(ValueError, match="special tokens"):
         tok.require_special_tokens()
+
+
+def test_chatml_tokens_are_reserved_and_the_template_comes_with_them(tiny_tokenizer):
+    """Every trained tokenizer reserves ChatML's tokens (one special id each, never merged
+    into text), so every trained model carries a chat template (``chat_config``)."""
+    from kvserve.model.tokenizer import IM_END, IM_START
+    from kvserve.server.chat_template import ChatTemplate
+
+    tok = tiny_tokenizer
+    start, end = tok.token_to_id(IM_START), tok.token_to_id(IM_END)
+    assert None not in (start, end) and len({start, end, tok.eos_id, tok.pad_id}) == 4
+    cfg = tok.chat_config()
+    assert cfg["eos_token"] == IM_END
+    text = ChatTemplate.from_tokenizer_config(cfg).render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert ids.count(start) == 3 and ids.count(end) == 2
+    assert tok.decode(ids) == text
+
+
+def test_a_tokenizer_without_chatml_has_no_chat_config():
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.train_from_iterator(["ab ab"], trainers.BpeTrainer(
+        vocab_size=260, special_tokens=[EOS, PAD], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert Tokenizer(hf).chat_config() is None

@@ -71,6 +71,9 @@ def test_checkpoint_layout_and_learning(tmp_path, tiny_corpus, capsys):
     cfg = model.cfg
     assert cfg.vocab_size == tok.vocab_size == 320
     assert (cfg.eos_token_id, cfg.pad_token_id) == (tok.eos_id, tok.pad_id)
+    # a trained model can chat: ChatML's template, <|im_end|> its end of turn
+    chat = json.loads((run / "tokenizer_config.json").read_text())
+    assert chat == tok.chat_config() and chat["eos_token"] == "<|im_end|>"
     st = state(run)
     assert st["step"] == 40 and st["weights_sha256"] == T.weights_sha256(model)
     evals = [json.loads(line) for line in (run / T.METRICS).read_text().splitlines()]

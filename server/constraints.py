@@ -1,0 +1,258 @@
+"""Constrained decoding with llguidance: what a request asks for (``ConstraintSpec``), the
+server's token table for it (``GuideTokenizer``, built once per server from the artifact's
+``tokenizer.json``: no transformers, no torch) and one sequence's matcher (``Constraint``).
+
+A step of a constrained row, in this order (the engine's side of the contract):
+
+1. ``fill(bitmask_row)`` (or the batch helper in ``constraint_masks``) - the allowed tokens;
+2. the masked logits are sampled (disallowed = -inf; greedy, sampled, penalties alike);
+3. ``consume(token)`` - the chosen token fed back (raises ``ConstraintViolation`` if refused);
+4. ``done`` - the grammar has stopped (it took an end token): finish the row.
+
+``forced()`` lists the tokens the grammar forces next (the same whatever the model says): they
+may be appended without sampling (fast-forward) and then consumed with ``consume_tokens``.
+The end tokens (``eos_ids``) are allowed exactly when the grammar accepts what is written.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import llguidance as llg
+import llguidance.numpy as lln
+import numpy as np
+
+from .domain import InvalidArgument
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SCHEMA_CHARS = 64 * 1024   # a JSON schema, serialized
+MAX_REGEX_CHARS = 4096
+MAX_GRAMMAR_CHARS = 64 * 1024  # a Lark grammar
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096        # one choice
+MAX_ERROR_CHARS = 300          # llguidance's messages quote the grammar: the first line, bounded
+
+
+class ConstraintViolation(RuntimeError):
+    """A token the grammar refuses was fed to ``consume``: the engine sampled outside the mask
+    (a server bug, never the caller's fault)."""
+
+
+def _first_line(msg: str) -> str:
+    """llguidance's message on one bounded line: its first line, plus the regex engine's
+    ``error:`` line (the first line alone says only "regex parse error:")."""
+    lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()] or ["invalid"]
+    line = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    detail = next((ln for ln in lines[1:] if ln.startswith("error:")), "")
+    if detail:
+        line = f"{line} {detail[len('error:'):].strip()}"
+    return line[:MAX_ERROR_CHARS]
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request constrains its output to, checked on construction.
+
+    kind: ``json_schema`` (value: the schema, a dict), ``json_object`` (value: None; any JSON
+    object), ``regex`` (value: a Rust-regex pattern the whole output must match), ``choice``
+    (value: a tuple of strings; the output is exactly one), ``grammar`` (value: a Lark grammar
+    in llguidance's dialect). ``field`` names the request field in error messages
+    (e.g. ``response_format.json_schema.schema``). Bad values raise ``InvalidArgument``.
+    """
+    kind: str
+    value: Any = None
+    field: str = "structured"
+    grammar: str = dataclasses.field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "grammar", _to_grammar(self.kind, self.value, self.field))
+        is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(self.grammar, None)
+        if is_error:
+            raise InvalidArgument(f"{self.field}: {_first_line(msgs[0] if msgs else '')}")
+
+    # Constructors named after the kinds (the same checks).
+    @classmethod
+    def json_schema(cls, schema, field: str = "json_schema") -> "ConstraintSpec":
+        return cls("json_schema", schema, field)
+
+    @classmethod
+    def json_object(cls, field: str = "json_object") -> "ConstraintSpec":
+        return cls("json_object", None, field)
+
+    @classmethod
+    def regex(cls, pattern: str, field: str = "regex") -> "ConstraintSpec":
+        return cls("regex", pattern, field)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str], field: str = "choice") -> "ConstraintSpec":
+        if isinstance(choices, list):
+            choices = tuple(choices)
+        return cls("choice", choices, field)
+
+    @classmethod
+    def lark(cls, grammar: str, field: str = "grammar") -> "ConstraintSpec":
+        return cls("grammar", grammar, field)
+
+
+def _to_grammar(kind: str, value, name: str) -> str:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            if len(value) > MAX_SCHEMA_CHARS:
+                raise InvalidArgument(f"{name}: the schema has {len(value)} characters; the "
+                                      f"limit is {MAX_SCHEMA_CHARS}")
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise InvalidArgument(f"{name}: the schema is not valid JSON ({e})") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidArgument(f"{name} must be a JSON schema (an object)")
+        text = json.dumps(value, ensure_ascii=False)
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise InvalidArgument(f"{name}: the schema has {len(text)} characters; the limit "
+                                  f"is {MAX_SCHEMA_CHARS}")
+        return llg.LLMatcher.grammar_from_json_schema(text)
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+    if kind == "regex":
+        _check_str(name, value, MAX_REGEX_CHARS, "pattern")
+        return llg.LLMatcher.grammar_from_regex(value)
+    if kind == "grammar":
+        _check_str(name, value, MAX_GRAMMAR_CHARS, "Lark grammar")
+        return llg.LLMatcher.grammar_from_lark(value)
+    if kind == "choice":
+        return _choice_grammar(value, name)
+    raise InvalidArgument(f"{name}: unknown constraint kind {kind!r}; the kinds are "
+                          f"{', '.join(KINDS)}")
+
+
+def _check_str(name: str, value, limit: int, what: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{name} must be a non-empty string (a {what})")
+    if len(value) > limit:
+        raise InvalidArgument(f"{name}: the {what} has {len(value)} characters; the limit is "
+                              f"{limit}")
+
+
+def _choice_grammar(choices, name: str) -> str:
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, (list, tuple)):
+        raise InvalidArgument(f"{name} must be a list of strings")
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        raise InvalidArgument(f"{name} has {len(choices)} choices; it needs 1 to {MAX_CHOICES}")
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c:
+            raise InvalidArgument(f"{name}[{i}] must be a non-empty string")
+        if len(c) > MAX_CHOICE_CHARS:
+            raise InvalidArgument(f"{name}[{i}] has {len(c)} characters; the limit is "
+                                  f"{MAX_CHOICE_CHARS}")
+    # Lark string literals take JSON's escapes: json.dumps quotes any text exactly.
+    lits = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    return llg.LLMatcher.grammar_from_lark(f"start: {lits}")
+
+
+class GuideTokenizer:
+    """llguidance's view of the served tokenizer: every token's bytes, for the masks.
+
+    Built once per server (``build_s`` says what it cost: 1.6-3.6 s for Qwen3's 151k
+    vocabulary on a loaded 2-core machine, 0.02-0.3 s for 4k-32k byte-level BPEs).
+    ``vocab_size`` is the model's (the logits' width; tokens past the tokenizer's are never
+    allowed); ``eos_ids`` are the tokens that end a generation (allowed once the grammar
+    accepts).
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int]):
+        eos = [int(i) for i in eos_ids]
+        if not eos:
+            raise ValueError("a constrained generation needs at least one end token (eos_ids)")
+        t0 = time.perf_counter()
+        self.ll = llg.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=eos)
+        self.build_s = time.perf_counter() - t0
+        self.vocab_size = int(vocab_size)
+        self.eos_ids = tuple(eos)
+
+    @classmethod
+    def from_file(cls, path: str | Path, vocab_size: int,
+                  eos_ids: Sequence[int]) -> "GuideTokenizer":
+        return cls(Path(path).read_text(encoding="utf-8"), vocab_size, eos_ids)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words per bitmask row."""
+        return lln.get_bitmask_shape(1, self.vocab_size)[1]
+
+    def constraint(self, spec: ConstraintSpec) -> "Constraint":
+        return Constraint(self, spec)
+
+
+class Constraint:
+    """One sequence's matcher. Not thread-safe: one step at a time (the batch helper in
+    ``constraint_masks`` may compute the masks of many in parallel)."""
+
+    def __init__(self, guide: GuideTokenizer, spec: ConstraintSpec):
+        self.guide, self.spec = guide, spec
+        self.matcher = llg.LLMatcher(guide.ll, spec.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise InvalidArgument(f"{spec.field}: {_first_line(self.matcher.get_error())}")
+        self._mask = lln.allocate_token_bitmask(1, guide.vocab_size)
+
+    def fill(self, bitmask_row: np.ndarray) -> None:
+        """Write the allowed-token bitmask (int32 words, bit i of word w = token 32*w+i)."""
+        row = bitmask_row.reshape(1, -1) if bitmask_row.ndim == 1 else bitmask_row
+        lln.fill_next_token_bitmask(self.matcher, row, 0)
+
+    def apply(self, logits_row: np.ndarray) -> None:
+        """Disallowed tokens' logits -> -inf, in place (one row, float32/float16; a strided
+        view of a batch's logits is fine)."""
+        self.fill(self._mask)
+        apply_bitmask(logits_row, self._mask[0])
+
+    def allowed(self) -> np.ndarray:
+        """The allowed tokens as a bool vector of the model's vocabulary (for tests, logprobs)."""
+        self.fill(self._mask)
+        return unpack_bitmask(self._mask, self.guide.vocab_size)[0]
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise ConstraintViolation(f"token {int(token)} is not allowed by the {self.spec.kind}"
+                                      f" constraint: {_first_line(self.matcher.get_error())}")
+
+    def consume_tokens(self, tokens: Sequence[int]) -> None:
+        if not self.matcher.consume_tokens([int(t) for t in tokens]):
+            raise ConstraintViolation(f"tokens {list(tokens)[:8]} are not allowed by the "
+                                      f"{self.spec.kind} constraint: "
+                                      f"{_first_line(self.matcher.get_error())}")
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (may be empty); not yet consumed."""
+        return list(self.matcher.compute_ff_tokens())
+
+    @property
+    def done(self) -> bool:
+        """The grammar has stopped: it consumed an end token, or nothing more can follow."""
+        return self.matcher.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        """What is written so far is a complete match (an end token is allowed now)."""
+        return self.matcher.is_accepting()
+
+
+def unpack_bitmask(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """([rows,] words) int32 -> ([rows,] vocab_size) bool."""
+    bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
+def apply_bitmask(logits: np.ndarray, mask: np.ndarray) -> None:
+    """logits ([rows,] vocab) in place: tokens whose bit is 0 -> -inf. np.unpackbits + copyto,
+    per row at Qwen3's 151,936 on a loaded 2-core machine: 1.3 ms with a random half-open mask
+    (llguidance.numpy's repeat/tile kernel: 5.8 ms), 0.2-0.6 ms when few or most tokens are
+    allowed (0.3-0.8 ms); 8-25 us at 4k-32k."""
+    if logits.ndim != mask.ndim:
+        raise ValueError(f"logits {logits.shape} and mask {mask.shape}: both rows or both batches")
+    allowed = unpack_bitmask(mask, logits.shape[-1])
+    np.copyto(logits, -np.inf, where=~allowed)  # in place, strided views included

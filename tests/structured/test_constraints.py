@@ -1,0 +1,216 @@
+"""server/constraints.py: every kind, decoded greedily and sampled (seeded) over random logits
+with a trained byte-level BPE and the real Qwen3 tokenizer, yields valid output; bad specs are
+refused naming the field; the Constraint's contract (consume, forced, done, vocab padding)."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from decoding import RandomModel, generate
+from kvserve.server.constraints import (MAX_REGEX_CHARS, ConstraintSpec, ConstraintViolation,
+                                        GuideTokenizer, apply_bitmask, unpack_bitmask)
+from kvserve.server.domain import InvalidArgument
+
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                     "zip": {"type": ["integer", "null"]}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "tags", "active", "code", "address"],
+    "additionalProperties": False,
+}
+PHONE = r"(\+[0-9]{1,3} )?[0-9]{3}-[0-9]{4}"
+CHOICES = ["yes", "no", "maybe so", 'a "quoted" one', "日本語", "new\nline"]
+ARITH = """
+start: expr
+expr: term (("+" | "-") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,3}/
+"""
+
+
+def _check(kind: str, text: str):
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), PERSON)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(PHONE, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        lark = pytest.importorskip("lark")
+        lark.Lark(ARITH, start="start").parse(text)  # raises if it does not parse
+
+
+SPECS = {"json_schema": lambda: ConstraintSpec.json_schema(PERSON),
+         "json_object": ConstraintSpec.json_object,
+         "regex": lambda: ConstraintSpec.regex(PHONE),
+         "choice": lambda: ConstraintSpec.choice(CHOICES),
+         "grammar": lambda: ConstraintSpec.lark(ARITH)}
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_any_logits_give_valid_output_bpe(bpe, bpe_guide, kind, greedy):
+    for seed in range(4):
+        model = RandomModel(bpe.to_str(), bpe.vocab_size, bpe_guide.eos_ids, seed)
+        text, _, _ = generate(bpe_guide, SPECS[kind](), model, greedy,
+                              fast_forward=seed % 2 == 1)
+        _check(kind, text)
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_any_logits_give_valid_output_qwen3(qwen3_dir, qwen3_guide, kind, greedy):
+    tj = (qwen3_dir / "tokenizer.json").read_text()
+    model = RandomModel(tj, qwen3_guide.vocab_size, qwen3_guide.eos_ids, seed=7)
+    text, ids, _ = generate(qwen3_guide, SPECS[kind](), model, greedy, fast_forward=True)
+    _check(kind, text)
+    assert max(ids) < 151669  # never one of the model's padding ids (151,669-151,935)
+
+
+def test_fast_forward_forces_the_only_choice(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.choice(["def add(a, b):"]))
+    ff = c.forced()
+    assert bpe.decode(ff) == "def add(a, b):"
+    c.consume_tokens(ff)
+    # nothing can follow: done at once (the engine finishes the row: no end token needed)
+    assert c.accepting and c.done
+    assert np.flatnonzero(c.allowed()).tolist() == [bpe.eos_id]
+    c.consume(bpe.eos_id)  # taking the end token anyway is allowed
+    assert c.done
+
+
+def test_done_waits_for_the_end_token_when_the_text_may_go_on(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.choice(["ab", "abc"]))
+    c.consume_tokens(bpe.encode("ab"))
+    assert c.accepting and not c.done
+    allowed = np.flatnonzero(c.allowed()).tolist()
+    assert bpe.eos_id in allowed and bpe.token_to_id("c") in allowed
+    c.consume(bpe.eos_id)
+    assert c.done
+
+
+def test_refused_token_raises(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.regex("[0-9]+"))
+    allowed = c.allowed()
+    assert allowed[bpe.token_to_id("7")] and not allowed[bpe.token_to_id("x")]
+    assert not allowed[bpe.eos_id]  # the empty string does not match [0-9]+
+    with pytest.raises(ConstraintViolation, match="not allowed by the regex constraint"):
+        c.consume(bpe.token_to_id("x"))
+
+
+def test_apply_masks_in_place_and_matches_llguidance(bpe, bpe_guide):
+    import llguidance.numpy as lln
+
+    c = bpe_guide.constraint(ConstraintSpec.json_schema(PERSON))
+    logits = np.random.default_rng(0).standard_normal(bpe.vocab_size).astype(np.float32)
+    ref = logits.copy()[None]
+    mask = lln.allocate_token_bitmask(1, bpe.vocab_size)
+    c.fill(mask[0])
+    lln.apply_token_bitmask_inplace(ref, mask)
+    c.apply(logits)
+    np.testing.assert_array_equal(logits, ref[0])
+    allowed = unpack_bitmask(mask, bpe.vocab_size)[0]
+    assert 0 < allowed.sum() < 50  # the object's opening: "{" and whitespace variants
+    assert np.isneginf(logits[~allowed]).all() and np.isfinite(logits[allowed]).all()
+
+
+def test_model_vocab_above_the_tokenizers_is_never_allowed(bpe):
+    g = GuideTokenizer(bpe.to_str(), bpe.vocab_size + 37, [bpe.eos_id])
+    c = g.constraint(ConstraintSpec.regex(".{1,5}"))
+    allowed = c.allowed()
+    assert allowed.shape == (bpe.vocab_size + 37,)
+    assert allowed[:bpe.vocab_size].sum() > 200 and not allowed[bpe.vocab_size:].any()
+    logits = np.zeros(bpe.vocab_size + 37, np.float32)
+    c.apply(logits)
+    assert np.isneginf(logits[bpe.vocab_size:]).all()
+
+
+def test_apply_masks_a_strided_row_in_place(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.regex("[0-9]+"))
+    batch = np.asfortranarray(np.zeros((3, bpe.vocab_size), np.float32))
+    row = batch[1]  # not contiguous in a Fortran-ordered batch
+    assert not row.flags["C_CONTIGUOUS"]
+    c.apply(row)
+    allowed = np.isfinite(batch[1])
+    np.testing.assert_array_equal(allowed, c.allowed())
+    assert allowed[bpe.token_to_id("7")] and not allowed[bpe.token_to_id("x")]
+    assert np.isfinite(batch[[0, 2]]).all()
+    with pytest.raises(ValueError, match="both rows or both batches"):
+        apply_bitmask(batch, np.zeros(40, np.int32))
+
+
+def test_apply_bitmask_rows_and_float16():
+    mask = np.array([[0b101, 0], [-1, 1]], dtype=np.int32)  # 64 bits, vocab 40
+    logits = np.zeros((2, 40), np.float16)
+    apply_bitmask(logits, mask)
+    assert np.flatnonzero(np.isfinite(logits[0])).tolist() == [0, 2]
+    assert np.flatnonzero(np.isfinite(logits[1])).tolist() == list(range(33))
+
+
+@pytest.mark.parametrize("make, field, message", [
+    (lambda: ConstraintSpec.json_schema({"type": "frob"}, field="response_format.json_schema"),
+     "response_format.json_schema", "Invalid type: frob"),
+    (lambda: ConstraintSpec.json_schema({"properties": {"a": {"$ref": "#/nope"}}}),
+     "json_schema", "/nope"),
+    (lambda: ConstraintSpec.json_schema("{not json", field="structured_outputs.json"),
+     "structured_outputs.json", "not valid JSON"),
+    (lambda: ConstraintSpec.json_schema([1, 2]), "json_schema", "must be a JSON schema"),
+    (lambda: ConstraintSpec.json_schema({"type": "string", "pattern": "(?=a)b"}),
+     "json_schema", "look-around"),
+    (lambda: ConstraintSpec.regex("a(", field="structured_outputs.regex"),
+     "structured_outputs.regex", "unclosed group"),
+    (lambda: ConstraintSpec.regex(""), "regex", "non-empty string"),
+    (lambda: ConstraintSpec.regex("a" * (MAX_REGEX_CHARS + 1)), "regex", "the limit is 4096"),
+    (lambda: ConstraintSpec.lark("start: foo"), "grammar", 'unknown name: "foo"'),
+    (lambda: ConstraintSpec.lark(42), "grammar", "non-empty string"),
+    (lambda: ConstraintSpec.choice([]), "choice", "needs 1 to 1024"),
+    (lambda: ConstraintSpec.choice("yes"), "choice", "must be a list of strings"),
+    (lambda: ConstraintSpec.choice(["a", 3]), r"choice\[1\]", "non-empty string"),
+    (lambda: ConstraintSpec("xml", "<a/>", "structured"), "structured", "unknown constraint"),
+])
+def test_bad_specs_are_refused_naming_the_field(make, field, message):
+    with pytest.raises(InvalidArgument, match=f"^{field}: .*{message}|^{field} .*{message}"):
+        make()
+
+
+def test_error_messages_are_one_bounded_line():
+    with pytest.raises(InvalidArgument) as e:
+        ConstraintSpec.lark("start: " + " | ".join(f'"x{i}" foo{i}' for i in range(200)))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+def test_spec_equality_and_choice_list_normalised():
+    assert ConstraintSpec.choice(["a", "b"]) == ConstraintSpec.choice(("a", "b"))
+    assert ConstraintSpec.json_schema('{"type": "integer"}').kind == "json_schema"
+    with pytest.raises(ValueError, match="end token"):
+        GuideTokenizer('{"model": {}}', 10, [])
+
+
+def test_components_import_neither_torch_nor_transformers():
+    """The server install is torch-free: the structured-output components stay so."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvserve.server.constraints, kvserve.server.constraint_masks\n"
+            "import kvserve.server.tool_calls, kvserve.server.tool_call_stream\n"
+            "import kvserve.server.http_tokenize, kvserve.server.prompts\n"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]
