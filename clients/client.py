@@ -5,12 +5,12 @@ Retries: only ``UNAVAILABLE`` (not ready, draining, unreachable) and ``RESOURCE_
 (over capacity) are retried, with exponential backoff and full jitter. Everything else
 (``INVALID_ARGUMENT``, ``UNAUTHENTICATED``, ``DEADLINE_EXCEEDED``, ...) is raised at once as a
 :class:`KvserveError`. A streaming Generate that was cut after tokens were delivered is resumed
-(``resume=True``, the default; ``clients/resume.py``, docs/failover.md): the next attempt
-carries the delivered tokens and the server continues exactly where the stream was cut, so
-the caller sees one stream (no index repeated or skipped); it is resumed on the retry codes
-and on a proxy's stream reset (INTERNAL "Stream removed"), and its attempts count from the
-last token delivered. An unseeded sampled request gets a seed chosen by the client so that it
-can be resumed. With ``resume=False`` a started stream's error is raised.
+(``resume=True``, the default; ``resume.py``, docs/failover.md): the next attempt carries the
+delivered tokens and the server continues exactly where the stream was cut, so the caller sees
+one stream (no index repeated or skipped); it is resumed on the retry codes and on a proxy's
+stream reset (INTERNAL "Stream removed"), and its attempts count from the last token
+delivered. An unseeded sampled request gets a seed chosen by the client so that it can be
+resumed. With ``resume=False`` a started stream's error is raised.
 
 Timeouts apply per attempt (each attempt gets the full ``timeout``); backoff sleeps are extra.
 
@@ -134,7 +134,7 @@ class _Base:
                  server_name: str | None = None, options: Sequence[tuple] = (),
                  resume: bool = True):
         self.target = target
-        self.resume = resume  # resume started Generate streams (clients/resume.py)
+        self.resume = resume  # resume started Generate streams (resume.py)
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self.on_attempt = on_attempt
@@ -236,13 +236,12 @@ class Client(_Base):
                 on_call(call)
             try:
                 for msg in call:
-                    if not msg.HasField("chunk"):
-                        yield M.completion(msg.complete)
-                        return
-                    for c in (msg.chunk, *msg.more):
-                        if rs.accept(c):
+                    for ev in M.generate_events(msg, lp):
+                        if isinstance(ev, TokenEvent):
+                            if not rs.accept(ev.index, ev.id):
+                                continue  # (sent again by a server that restarted it)
                             attempt = 1  # progress: the retry budget starts again
-                            yield M.token_event(c, lp)
+                        yield ev
                 return
             except grpc.RpcError as e:
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
@@ -328,13 +327,12 @@ class AsyncClient(_Base):
                                        metadata=self._metadata)
             try:
                 async for msg in call:
-                    if not msg.HasField("chunk"):
-                        yield M.completion(msg.complete)
-                        return
-                    for c in (msg.chunk, *msg.more):
-                        if rs.accept(c):
+                    for ev in M.generate_events(msg, lp):
+                        if isinstance(ev, TokenEvent):
+                            if not rs.accept(ev.index, ev.id):
+                                continue  # (sent again by a server that restarted it)
                             attempt = 1  # progress: the retry budget starts again
-                            yield M.token_event(c, lp)
+                        yield ev
                 return
             except grpc.RpcError as e:
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)

@@ -77,16 +77,17 @@ class StreamResume:
         r.resume.token_ids.extend(self.ids)
         return r
 
-    def accept(self, chunk: pb.TokenChunk) -> bool:
-        """True: ``chunk`` is the stream's next token (now delivered); False: a token already
-        delivered, sent again (the same id), to skip. Raises ``ResumeError`` otherwise."""
-        i, n = chunk.index, len(self.ids)
+    def accept(self, index: int, token_id: int) -> bool:
+        """True: token ``index`` is the stream's next one (now delivered); False: a token
+        already delivered, sent again (the same id), to skip. Raises ``ResumeError``
+        otherwise."""
+        i, n = index, len(self.ids)
         if i == n:
-            self.ids.append(chunk.id)
+            self.ids.append(token_id)
             return True
-        if i < n and self.ids[i] == chunk.id:
+        if i < n and self.ids[i] == token_id:
             return False
-        what = f"token {chunk.id} at index {i}, delivered {self.ids[i]}" if i < n else \
+        what = f"token {token_id} at index {i}, delivered {self.ids[i]}" if i < n else \
             f"index {i} after {n} tokens"
         raise ResumeError(f"the resumed stream does not continue the one delivered ({what})")
 

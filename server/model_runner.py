@@ -7,7 +7,9 @@ Prefix cache: an admitted sequence takes the longest cached prefix of its prompt
 blocks: ``server.prefix_cache``), its rows copied into its slot on the device, and only the
 rest is prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
 it leaves. Sequences admitted together whose prompts begin with the same block are prefilled
-one after the other, so a shared prefix is computed once.
+one after the other, so a shared prefix is computed once. What is prefilled is the sequence's
+``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
+(``server.resume``), so a stream resumed on the replica it left finds them cached.
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ class ModelRunner:
                 self.prefix.restore(kv, slot, blocks)
         finally:
             self.prefix.release(blocks)
-        seq.cached_tokens = n
+        seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)
         self.metrics.prefix_hit(n)
         active.append(seq)
         last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)

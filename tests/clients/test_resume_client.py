@@ -2,8 +2,8 @@
 on a real gRPC server: the caller sees one stream (every index once, in order) across cuts
 with UNAVAILABLE, RESOURCE_EXHAUSTED and a proxy's INTERNAL "Stream removed" (before the
 first token too); each attempt carries the delivered ids and the same seed (chosen by the
-client for an unseeded sampled request); other errors, ``resume=False`` and a stream that does not continue are raised.
-The real server's side is tests/server/test_resume*.py; both together behind nginx:
+client for an unseeded sampled request); other errors, ``resume=False`` and a stream that does
+not continue are raised. The real server's side is tests/server/test_resume*.py; both together behind nginx:
 tests/deploy/test_failover.py."""
 from __future__ import annotations
 

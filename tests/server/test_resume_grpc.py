@@ -1,7 +1,8 @@
 """Resume over gRPC on the real tiny artifact (GenerateRequest.resume, server/resume.py): the
-resumed call's chunks are the uninterrupted call's tail and its Complete is the whole; bad
-resumes are refused with INVALID_ARGUMENT naming the field; a draining server moves the
-streams of clients that resume (UNAVAILABLE at once) while the others keep their grace."""
+resumed call's chunks are the uninterrupted call's tail and its Complete is the whole; a resume
+on the replica it left reads its rows from the prefix cache; bad resumes are refused with
+INVALID_ARGUMENT naming the field; a draining server moves the streams of clients that resume
+(UNAVAILABLE at once) while the others keep their grace."""
 from __future__ import annotations
 
 import threading
@@ -60,6 +61,21 @@ def test_a_stop_string_across_the_split_over_grpc(stub):
                                             timeout=60))
         assert _events(tail) == _events(full[k:]), k
         assert (rdone.stop_sequence, rdone.text) == (stop, done.text)
+
+
+def test_a_resume_on_the_same_replica_reads_the_prefix_cache(stub, app):
+    """The stream's rows were cached when it left: the resume's prefill of prompt + delivered
+    tokens takes them from the prefix cache (whole blocks), and the output is the same."""
+    from kvserve.server.prefix_cache import BLOCK_TOKENS
+
+    req = gen_request(PROMPT, 48, sampling=pb.SamplingOptions(temperature=0.9, seed=3))
+    chunks, done = collect(stub.Generate(req, timeout=60))
+    before = app.metrics.prefix_hits.get()
+    tail, rdone = collect(stub.Generate(_resumed(req, [c.id for c in chunks[:40]]), timeout=60))
+    hit = app.metrics.prefix_hits.get() - before
+    assert _events(tail) == _events(chunks[40:]) and rdone.text == done.text
+    prefill = done.prompt_tokens + 40
+    assert prefill - BLOCK_TOKENS <= hit <= prefill, (hit, prefill)
 
 
 @pytest.mark.parametrize("resume,sampling,want", [
