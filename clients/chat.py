@@ -89,13 +89,11 @@ def main(args: argparse.Namespace) -> int:
 
 def _cannot_chat(client, server: str) -> str:
     """Why the server's model cannot chat ("" when it can), from one ModelInfo call."""
-    from kvserve.v1 import inference_pb2 as pb
-
     from .client import KvserveError
     from .common import error_line
 
-    try:  # the raw response: the client's ModelInfo has no chat_template_available (yet)
-        info = client._unary("ModelInfo", pb.ModelInfoRequest(), None)
+    try:
+        info = client.model_info()
     except KvserveError as e:
         return error_line(e, server)
     if not info.chat_template_available:

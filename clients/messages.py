@@ -130,6 +130,8 @@ class ModelInfo:
     manifest_sha256: str
     config_json: str
     limits: dict[str, float]
+    chat_template_available: bool = False
+    eos_token_ids: tuple[int, ...] = ()
 
 
 # --- parsing -----------------------------------------------------------------------------------
@@ -201,7 +203,8 @@ def model_info(r: pb.ModelInfoResponse) -> ModelInfo:
     limits = {f.name: getattr(r.limits, f.name) for f in r.limits.DESCRIPTOR.fields}
     return ModelInfo(r.vocab_size, r.n_layers, r.n_heads, r.n_kv_heads, r.max_seq_len,
                      None if r.eos_token_id < 0 else r.eos_token_id, r.provider,
-                     r.attention_available, r.version, r.manifest_sha256, r.config_json, limits)
+                     r.attention_available, r.version, r.manifest_sha256, r.config_json, limits,
+                     r.chat_template_available, tuple(r.eos_token_ids))
 
 
 # --- requests -------------------------------------------------------------------------------------
