@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from .constraint_masks import MaskBatch
 from .interfaces import EngineMetrics, Runner
 from .output import OutputProcessor
 from .sampler import masked, sample_row
@@ -34,6 +35,7 @@ class ModelRunner:
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
         self.spec = speculator
+        self.masks: MaskBatch | None = None  # constrained rows' masks, made on first use
         self.steps = 0
 
     @property
@@ -166,8 +168,15 @@ class ModelRunner:
             self.longrope.before_decode(self.lm, kv, n, lambda slot: active[slot].tokens(),
                                         self.sched.chunk_tokens,
                                         before_refill=self.output.wake_staged)
+        masks = self._start_masks(active)  # computed while the model runs
         t0 = time.monotonic()
-        logits, attn = self.lm.decode(kv, n, tokens, attention=attention)
+        try:
+            logits, attn = self.lm.decode(kv, n, tokens, attention=attention)
+        finally:
+            if masks:
+                self.masks.wait()
+        if masks:
+            self.masks.apply(logits, masks)  # the constrained rows, in place
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
@@ -192,7 +201,23 @@ class ModelRunner:
                 rows = [(layer, h, attn[i][layer, h])  # (T,): the sequence's tokens so far
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self.choose(seq, logits[i], rows, argmax[i] if plain[i] else None)
+            self.choose(seq, logits[i], rows, argmax[i] if plain[i] else None,
+                        premasked=bool(masks))
+
+    def _start_masks(self, active: list[Sequence]) -> list:
+        """Start the constrained rows' masks on the mask thread (llguidance's own threads, the
+        GIL released); the caller waits for them after the model call. Returns the rows. A
+        single row's mask is made after the call instead (``choose``): it costs less than the
+        hand-over to the thread."""
+        rows = [(i, s.req.constraint) for i, s in enumerate(active)
+                if s.req.constraint is not None and not s.forced]
+        if len(rows) < 2:
+            return []
+        if rows:
+            if self.masks is None:
+                self.masks = MaskBatch(self.lm.cfg.vocab_size, self.sched.max_batch)
+            self.masks.start(rows)
+        return rows
 
     def _verify_step(self, drafts: list[list[int]]) -> None:
         """Every row feeds its token and its draft in one call; each keeps the tokens the plain
@@ -231,11 +256,13 @@ class ModelRunner:
         self.output.accept(seq, tok, row, None)
         return tok
 
-    def choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None
-               ) -> None:
+    def choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None,
+               premasked: bool = False) -> None:
         """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
-        by the batch's greedy argmax) and hand it to the output processor."""
+        by the batch's greedy argmax; ``premasked``: its constraint's mask is applied) and hand
+        it to the output processor."""
         if tok is None:
-            raw = masked(raw, seq.req)
+            if not premasked:
+                raw = masked(raw, seq.req)
             tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.output.eos_ids)
         self.output.accept(seq, tok, raw, attention)
