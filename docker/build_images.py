@@ -97,6 +97,12 @@ def build_pip_conf(cfg: dict[str, str], port: int) -> tuple[str, list[Path]]:
     return "\n".join(lines) + "\n", roots
 
 
+def serve(server: http.server.ThreadingHTTPServer, roots: list[Path]) -> None:
+    """Serve ``roots`` (only) from a background thread until ``server.shutdown()``."""
+    server.RequestHandlerClass = type("Handler", (_Handler,), {"roots": tuple(roots)})
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
 def reachable(url: str, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout):
@@ -121,12 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = pip_config()
     cert = cfg.get("cert") or (SYSTEM_CA if os.path.exists(SYSTEM_CA) else "")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    port = server.server_address[1]
-    conf, roots = build_pip_conf(cfg, port)
+    conf, roots = build_pip_conf(cfg, server.server_address[1])
     if cert:
         conf += "cert = /run/secrets/pip-ca\n"
-    _Handler.roots = tuple(roots)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve(server, roots)
     conf_file = REPO / ".docker-build-pip.conf"  # not in the build context (.dockerignore)
     conf_file.write_text(conf)
     torch_index = TORCH_INDEX if reachable(TORCH_INDEX + "/") else ""
