@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="stages to build (default: both)")
     p.add_argument("--tag-prefix", default="kvserve-",
                    help="images are tagged PREFIX<target>:latest")
+    p.add_argument("--no-cache", action="store_true", help="build every step again")
     args = p.parse_args(argv)
     targets = args.target or ["server", "model-builder"]
 
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "DOCKER_BUILDKIT": "1"}
     try:
         for target in targets:
-            cmd = [args.docker, "build", "--network", "host", "--progress", "plain",
+            cmd = [args.docker, "build", *(["--no-cache"] if args.no_cache else []),
+                   "--network", "host", "--progress", "plain",
                    "-f", "docker/Dockerfile", "--target", target,
                    "-t", f"{args.tag_prefix}{target}:latest",
                    "--secret", f"id=pip.conf,src={conf_file}"]
