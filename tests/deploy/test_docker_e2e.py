@@ -65,8 +65,12 @@ def stack():
     s.took.update(build_images(docker))
     t0 = time.monotonic()
     try:
-        s("up", "-d", "--no-build", timeout=UP_TIMEOUT)
-        wait_healthy(docker, s.container("nginx"), timeout=120)
+        try:
+            s("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+            wait_healthy(docker, s.container("nginx"), timeout=120)
+        except AssertionError as e:  # say which service failed, with its own words
+            logs = s("logs", "--tail", "20", check=False)
+            raise AssertionError(f"{e}\n--- compose logs ---\n{logs.stdout[-6000:]}") from None
         s.took["up"] = time.monotonic() - t0
         print(f"\ncompose e2e: seconds {({k: round(v, 1) for k, v in s.took.items()})}")
         yield s
