@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", action="append", choices=["server", "model-builder"],
                    help="stages to build (default: both)")
     p.add_argument("--tag-prefix", default="kvserve-",
-                   help="images are tagged PREFIX<target>:latest")
+                   help="images are tagged PREFIX<target>:TAG")
+    p.add_argument("--tag", default=os.environ.get("KVSERVE_IMAGE_TAG") or "latest",
+                   help="image tag (default: $KVSERVE_IMAGE_TAG, else latest; the compose "
+                        "file reads the same variable)")
     p.add_argument("--no-cache", action="store_true", help="build every step again")
     args = p.parse_args(argv)
     targets = args.target or ["server", "model-builder"]
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [args.docker, "build", *(["--no-cache"] if args.no_cache else []),
                    "--network", "host", "--progress", "plain",
                    "-f", "docker/Dockerfile", "--target", target,
-                   "-t", f"{args.tag_prefix}{target}:latest",
+                   "-t", f"{args.tag_prefix}{target}:{args.tag}",
                    "--secret", f"id=pip.conf,src={conf_file}"]
             if cert:
                 cmd += ["--secret", f"id=pip-ca,src={cert}"]

@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 
 from deploy_helpers import COMPOSE_FILE, REPO, free_port
-from docker_helpers import (NGINX_BASE, PYTHON_BASE, UID, build_images, engine_or_skip, health,
-                            inspect, proc_status, run, wait_healthy)
+from docker_helpers import (IMAGE_TAG, NGINX_BASE, PYTHON_BASE, UID, build_images,
+                            engine_or_skip, health, inspect, proc_status, run, wait_healthy)
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ class Stack:
         self.ports = {n: free_port() for n in names}
         self.env = {**os.environ, **{f"E2E_{n}": str(p) for n, p in self.ports.items()},
                     "KVSERVE_PYTHON_IMAGE": PYTHON_BASE, "KVSERVE_NGINX_IMAGE": NGINX_BASE,
+                    "KVSERVE_IMAGE_TAG": IMAGE_TAG,
                     "DOCKER_HOST": os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")}
         self.compose = [*compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), "-f", str(OVERRIDE)]
         self.took: dict[str, float] = {}
