@@ -97,6 +97,12 @@ def build_pip_conf(cfg: dict[str, str], port: int) -> tuple[str, list[Path]]:
     return "\n".join(lines) + "\n", roots
 
 
+def serve(server: http.server.ThreadingHTTPServer, roots: list[Path]) -> None:
+    """Serve ``roots`` (only) from a background thread until ``server.shutdown()``."""
+    server.RequestHandlerClass = type("Handler", (_Handler,), {"roots": tuple(roots)})
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
 def reachable(url: str, timeout: float = 5.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout):
@@ -114,19 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", action="append", choices=["server", "model-builder"],
                    help="stages to build (default: both)")
     p.add_argument("--tag-prefix", default="kvserve-",
-                   help="images are tagged PREFIX<target>:latest")
+                   help="images are tagged PREFIX<target>:TAG")
+    p.add_argument("--tag", default=os.environ.get("KVSERVE_IMAGE_TAG") or "latest",
+                   help="image tag (default: $KVSERVE_IMAGE_TAG, else latest; the compose "
+                        "file reads the same variable)")
+    p.add_argument("--no-cache", action="store_true", help="build every step again")
     args = p.parse_args(argv)
     targets = args.target or ["server", "model-builder"]
 
     cfg = pip_config()
     cert = cfg.get("cert") or (SYSTEM_CA if os.path.exists(SYSTEM_CA) else "")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    port = server.server_address[1]
-    conf, roots = build_pip_conf(cfg, port)
+    conf, roots = build_pip_conf(cfg, server.server_address[1])
     if cert:
         conf += "cert = /run/secrets/pip-ca\n"
-    _Handler.roots = tuple(roots)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    serve(server, roots)
     conf_file = REPO / ".docker-build-pip.conf"  # not in the build context (.dockerignore)
     conf_file.write_text(conf)
     torch_index = TORCH_INDEX if reachable(TORCH_INDEX + "/") else ""
@@ -136,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "DOCKER_BUILDKIT": "1"}
     try:
         for target in targets:
-            cmd = [args.docker, "build", "--network", "host", "--progress", "plain",
+            cmd = [args.docker, "build", *(["--no-cache"] if args.no_cache else []),
+                   "--network", "host", "--progress", "plain",
                    "-f", "docker/Dockerfile", "--target", target,
-                   "-t", f"{args.tag_prefix}{target}:latest",
+                   "-t", f"{args.tag_prefix}{target}:{args.tag}",
                    "--secret", f"id=pip.conf,src={conf_file}"]
             if cert:
                 cmd += ["--secret", f"id=pip-ca,src={cert}"]

@@ -54,28 +54,30 @@ def verify(artifact_dir: Path, trusted_key: str | None = None, full: bool = True
         from kvserve.artifact.verify import VerifyError, verify_artifacts
     except ImportError as e:  # pragma: no cover - the export package ships with the server
         raise ArtifactError(f"cannot verify artifacts: {e}") from None
-    unreadable = next((p for p in sorted(Path(artifact_dir).rglob("*"))
-                       if p.is_file() and not os.access(p, os.R_OK)), None)
     try:
-        if unreadable is not None:
-            raise PermissionError(13, "Permission denied", str(unreadable))
         verify_artifacts(artifact_dir, trusted_key=trusted_key or None, check_graphs=full,
                          check_hashes=full)
     except VerifyError as e:
         raise ArtifactError(str(e)) from None
     except PermissionError as e:  # e.g. a host export mounted into a container's other uid
-        raise ArtifactError(f"cannot read artifact file {e.filename} as user {_user()}; make "
-                            f"the artifact's files readable by it (chmod a+r)") from None
+        raise ArtifactError(_cannot_read(e.filename)) from None
+    # verified: the tree holds the manifest's files only. Without --verify the weights were not
+    # read yet: say now, in the same words, what onnxruntime would fail on later.
+    for p in sorted(Path(artifact_dir).rglob("*")):
+        if p.is_file() and not os.access(p, os.R_OK):
+            raise ArtifactError(_cannot_read(p))
 
 
-def _user() -> str:
+def _cannot_read(path) -> str:
     import pwd
 
     uid = os.geteuid()
     try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        user = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
-        return f"uid {uid}"
+        user = f"uid {uid}"
+    return (f"cannot read artifact file {path} as user {user}; make the artifact's files "
+            f"readable by it (chmod a+r)")
 
 
 class App:

@@ -4,6 +4,7 @@ images built once per machine state (docker/base-images.sh, docker/build_images.
 `docker inspect` / `docker exec` in a form tests can assert on."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,8 +18,10 @@ from deploy_helpers import REPO, compose_binary
 
 PYTHON_BASE = os.environ.get("KVSERVE_PYTHON_BASE", "kvserve-base/python:bookworm")
 NGINX_BASE = os.environ.get("KVSERVE_NGINX_BASE", "kvserve-base/nginx:bookworm")
-SERVER_IMAGE = "kvserve-server:latest"
-BUILDER_IMAGE = "kvserve-model-builder:latest"
+# a tag of this checkout's own: test runs of other checkouts on the same engine build theirs
+IMAGE_TAG = "test-" + hashlib.sha1(str(REPO).encode()).hexdigest()[:10]
+SERVER_IMAGE = f"kvserve-server:{IMAGE_TAG}"
+BUILDER_IMAGE = f"kvserve-model-builder:{IMAGE_TAG}"
 UID = 10001  # the images' user (docker/Dockerfile)
 BUILD_TIMEOUT = 1800  # a first build installs torch into the model-builder
 
@@ -69,7 +72,7 @@ def build_images(docker: str) -> dict[str, float]:
     took["bases"] = time.monotonic() - t0
     t0 = time.monotonic()
     run([sys.executable, str(REPO / "docker" / "build_images.py"), "--docker", docker,
-         "--python-image", PYTHON_BASE], timeout=BUILD_TIMEOUT, env=env)
+         "--python-image", PYTHON_BASE, "--tag", IMAGE_TAG], timeout=BUILD_TIMEOUT, env=env)
     took["images"] = time.monotonic() - t0
     return took
 

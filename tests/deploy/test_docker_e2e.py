@@ -18,8 +18,8 @@ import urllib.request
 import pytest
 
 from deploy_helpers import COMPOSE_FILE, REPO, free_port
-from docker_helpers import (NGINX_BASE, PYTHON_BASE, UID, build_images, engine_or_skip, health,
-                            inspect, proc_status, run, wait_healthy)
+from docker_helpers import (IMAGE_TAG, NGINX_BASE, PYTHON_BASE, UID, build_images,
+                            engine_or_skip, health, inspect, proc_status, run, wait_healthy)
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +38,7 @@ class Stack:
         self.ports = {n: free_port() for n in names}
         self.env = {**os.environ, **{f"E2E_{n}": str(p) for n, p in self.ports.items()},
                     "KVSERVE_PYTHON_IMAGE": PYTHON_BASE, "KVSERVE_NGINX_IMAGE": NGINX_BASE,
+                    "KVSERVE_IMAGE_TAG": IMAGE_TAG,
                     "DOCKER_HOST": os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")}
         self.compose = [*compose, "-p", PROJECT, "-f", str(COMPOSE_FILE), "-f", str(OVERRIDE)]
         self.took: dict[str, float] = {}
@@ -65,8 +66,12 @@ def stack():
     s.took.update(build_images(docker))
     t0 = time.monotonic()
     try:
-        s("up", "-d", "--no-build", timeout=UP_TIMEOUT)
-        wait_healthy(docker, s.container("nginx"), timeout=120)
+        try:
+            s("up", "-d", "--no-build", timeout=UP_TIMEOUT)
+            wait_healthy(docker, s.container("nginx"), timeout=120)
+        except AssertionError as e:  # say which service failed, with its own words
+            logs = s("logs", "--tail", "20", check=False)
+            raise AssertionError(f"{e}\n--- compose logs ---\n{logs.stdout[-6000:]}") from None
         s.took["up"] = time.monotonic() - t0
         print(f"\ncompose e2e: seconds {({k: round(v, 1) for k, v in s.took.items()})}")
         yield s

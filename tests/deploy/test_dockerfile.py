@@ -162,7 +162,7 @@ def test_builds_without_docker_hub():
     froms = re.findall(r"^FROM\s+(\S+)", text, re.M)
     assert froms and set(froms) == {"${PYTHON_IMAGE}"}, froms
     runs = [c for c in re.split(r"\n(?=[A-Z]+ )", text) if re.search(r"\bpip (install|wheel)\b", c)]
-    assert len(runs) == 3
+    assert len(runs) == 5  # wheel; server and model-builder: dependencies, wheel
     for cmd in runs:
         assert "--mount=type=secret,id=pip.conf,target=/etc/pip.conf" in cmd, cmd
         assert "--mount=type=secret,id=pip-ca" in cmd, cmd
@@ -177,7 +177,11 @@ def _pip_installs(stage: Stage) -> list[str]:
 def test_server_stage_never_installs_torch(stages):
     server = stages["server"]
     installs = _pip_installs(server)
-    assert installs == ["pip install /wheels/kvserve-*.whl"], installs  # the base install
+    # the base dependencies (their own layer), then the wheel's base install
+    assert installs == ["pip install -r /tmp/requirements.txt",
+                        "pip install /wheels/kvserve-*.whl"], installs
+    reqs = " ".join(i.args for i in server.all("RUN") if "requirements.py" in i.args)
+    assert "requirements.py /tmp/req/pyproject.toml > /tmp/requirements.txt" in reqs
     for i in server.instructions:
         if i.cmd in ("ENV", "ARG"):
             assert "pytorch" not in i.args.lower() and "PIP_" + "EXTRA" not in i.args, i
@@ -188,12 +192,16 @@ def test_server_stage_never_installs_torch(stages):
 
 
 def test_model_builder_gets_cpu_torch_from_the_pytorch_index(stages):
-    (install,) = _pip_installs(stages["model-builder"])
+    deps, install = _pip_installs(stages["model-builder"])
     # the index is a build argument (empty: the build's own pip sources hold the CPU wheel)
     assert [a.args for a in stages["model-builder"].all("ARG")] == [
         f"TORCH_INDEX={TORCH_CPU_INDEX}"]
-    assert '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in install
-    assert "[train]" in install
+    for cmd in (deps, install):
+        assert '${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in cmd, cmd
+    assert deps.endswith("-r /tmp/requirements.txt") and "[train]" in install
+    reqs = " ".join(i.args for i in stages["model-builder"].all("RUN")
+                    if "requirements.py" in i.args)
+    assert "requirements.py /tmp/req/pyproject.toml train > /tmp/requirements.txt" in reqs
     # the index is named in the Dockerfile only: the project's own install stays as it is
     for f in ("pyproject.toml", "setup.py", "scripts/install.sh", "scripts/test.sh", ".ci/run"):
         assert "download.pytorch.org" not in (REPO / f).read_text(), f
@@ -220,6 +228,22 @@ def test_copy_sources_exist_and_are_in_the_context(stages, rules):
         for ins in stage.all("RUN"):
             for m in re.finditer(r"--mount=\S*from=([\w-]+)", ins.args):
                 assert m.group(1) in stages, f"{stage.name}: unknown stage {m.group(1)}"
+            for m in re.finditer(r"--mount=(\S+)", ins.args):  # bind mounts of context files
+                opts = dict(o.partition("=")[::2] for o in m.group(1).split(","))
+                if opts.get("type") == "bind" and "from" not in opts:
+                    assert opts["source"] in context_files(rules), \
+                        f"{stage.name}: RUN --mount source {opts['source']} not in the context"
+
+
+def test_requirements_script_lists_the_base_and_extra_dependencies():
+    py = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    script = REPO / "docker" / "requirements.py"
+    for extras, want in (([], py["dependencies"]),
+                         (["train"], py["dependencies"] + py["optional-dependencies"]["train"])):
+        out = subprocess.run([sys.executable, str(script), str(REPO / "pyproject.toml"), *extras],
+                             capture_output=True, text=True, check=True, timeout=30)
+        assert out.stdout.splitlines() == want
+    assert not any("torch" in r for r in py["dependencies"])
 
 
 def test_wheel_stage_copies_every_package(stages):
