@@ -295,7 +295,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               name=lambda i: "text", what="texts: ")
         budget, seqs, total = self.lim.cfg.max_score_tokens, [], 0
         for i, t in enumerate(texts):
-            seqs.append(self.tok.encode(t))
+            seqs.append(self.prompts.text(t, "text"))  # BOS as transformers adds it
             total += len(seqs[-1])
             if total > budget:
                 raise InvalidArgument(f"the texts have {total} tokens in all after {i + 1} of "
@@ -309,10 +309,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._need_tokenizer("Tokenize")
             if len(request.texts) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
-            texts = V.check_texts(request.texts, V.tokenize_chars(self.lim.cfg), self.lim)
+            # checked and tokenized as transformers' AutoTokenizer (BOS/EOS per the
+            # tokenizer's post-processor)
+            ids = self.prompts.texts(request.texts, V.tokenize_chars(self.lim.cfg)) \
+                if request.texts else []
         except ServingError as e:
             _abort(context, e)
-        ids = self.tok.encode_batch(texts) if texts else []
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=x) for x in ids])
 
     def Detokenize(self, request, context):  # noqa: N802
