@@ -124,7 +124,7 @@ def test_lm_eval_served_equals_hf_backend(served_llama, tmp_path, monkeypatch):
     runs = {"local tokenizer": {"tokenizer": str(hf_dir), "tokenizer_backend": "huggingface"},
             "remote tokenizer": {"tokenizer_backend": "remote"}}
     for what, tok_args in runs.items():
-        got_out = _evaluate("local-completions", {"model": "artifact", "base_url": base,
+        got_out = _evaluate("local-completions", {"model": "art", "base_url": base,
                                                   "num_concurrent": 1, "max_retries": 1,
                                                   **tok_args}, tmp_path)
         got = _per_sample(got_out)
