@@ -116,9 +116,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if which is None:
             raise InvalidArgument("the prompt is empty: set text or token_ids")
         if which == "chat":
-            agp = r.chat.add_generation_prompt if r.chat.HasField("add_generation_prompt") \
-                else True
-            ids = self.prompts.chat([(m.role, m.content) for m in r.chat.messages], agp)
+            ids = self._chat_ids(r.chat)
         else:
             ids = self._prompt_ids(r.text if which == "text" else None,
                                    r.token_ids.ids if which == "token_ids" else None)
@@ -145,6 +143,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               constraint=self.guides.constraint(spec))
         resume.check(req, self.tb, self.engine.eos_ids)
         return req
+
+    def _chat_ids(self, chat: pb.ChatPrompt) -> list[int]:
+        cont = chat.continue_final_message
+        agp = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+        kwargs = None
+        if chat.chat_template_kwargs:
+            try:
+                kwargs = json.loads(chat.chat_template_kwargs)
+            except ValueError:
+                raise InvalidArgument("chat.chat_template_kwargs is not a JSON object") from None
+        return self.prompts.chat([(m.role, m.content) for m in chat.messages], agp, cont,
+                                 template_kwargs=kwargs)
 
     def _chunk(self, ev: TokenEvent) -> pb.GenerateResponse:
         c = pb.TokenChunk(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)

@@ -153,3 +153,36 @@ def test_prompt_renders_as_transformers(tools_oai, tools_artifact, body, kw):
     assert plp[0] is None and all(len(d) == 1 for d in plp[1:])
     got = [int(next(iter(d))) for d in plp[1:]]
     assert got == want[1:]  # the prompt token of each position (prompt_logprobs 0)
+
+
+def test_grpc_chat_prompt_takes_the_template_options(tools_app, tools_artifact):
+    """gRPC ChatPrompt.continue_final_message and chat_template_kwargs render as
+    transformers' apply_chat_template does (the prompt's token count)."""
+    import grpc
+
+    from chat_helpers import AUTH
+    from kvserve.v1 import inference_pb2 as pb
+    from kvserve.v1 import inference_pb2_grpc as pb_grpc
+    from kvserve_testing import collect, ready_channel
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello th"}]
+    cases = [(dict(continue_final_message=True), msgs, dict(continue_final_message=True)),
+             (dict(chat_template_kwargs='{"enable_thinking": false}'), msgs[:1],
+              dict(add_generation_prompt=True, enable_thinking=False))]
+    with ready_channel(tools_app.port) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        for fields, messages, kw in cases:
+            req = pb.GenerateRequest(chat=pb.ChatPrompt(
+                messages=[pb.ChatMessage(role=m["role"], content=m["content"])
+                          for m in messages], **fields),
+                stopping=pb.StoppingOptions(max_new_tokens=1))
+            _, done = collect(stub.Generate(req, metadata=AUTH, timeout=60))
+            want = _reference_ids(tools_artifact.tokenizer, messages, **kw)
+            assert done.prompt_tokens == len(want), fields
+        bad = pb.GenerateRequest(chat=pb.ChatPrompt(
+            messages=[pb.ChatMessage(role="user", content="hi")], chat_template_kwargs="[1"),
+            stopping=pb.StoppingOptions(max_new_tokens=1))
+        with pytest.raises(grpc.RpcError) as e:
+            collect(stub.Generate(bad, metadata=AUTH, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "chat_template_kwargs" in e.value.details()
