@@ -93,8 +93,9 @@ def _call_grammar(tok) -> str:
 
 
 def test_auto_parses_what_the_model_writes(tools_oai, tools_artifact):
-    kw = dict(model="artifact", messages=MSGS, tools=TOOLS, max_tokens=64, extra_body={
-        "structured_outputs": {"grammar": _call_grammar(tools_artifact.tokenizer)}})
+    grammar = _call_grammar(tools_artifact.tokenizer)
+    kw = dict(model="artifact", messages=MSGS, tools=TOOLS, max_tokens=64, temperature=0,
+              extra_body={"structured_outputs": {"grammar": grammar}})
     c = tools_oai.chat.completions.create(**kw).choices[0]
     assert c.finish_reason == "tool_calls", c
     assert c.message.tool_calls[0].function.name == "get_time"
