@@ -7,7 +7,6 @@ generations; and once with no local tokenizer (the server's /tokenize and /token
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -24,7 +23,8 @@ MC = [{"question": "def add(a, b):", "choices": ["\n    return a + b", "\n    pr
                                                       "\n    return"], "answer": 0},
       {"question": "class Point:", "choices": [" naïve", "\n    def __init__(self, x, y):"],
        "answer": 1}]
-ROLL = [{"text": "naïve café, 日本語のテキスト"}, {"text": "def add(a, b):\n    return a + b"}]
+ROLL = [{"text": "naïve café, 日本語のテキスト"},
+        {"text": "def add(a, b):\n    return a + b"}]
 GEN = [{"question": "# doc 3\ndef", "answer": " add"}, {"question": "for i in", "answer": " range"}]
 TASKS = {
     "kv_mc": dict(output_type="multiple_choice", doc_to_text="{{question}}",
@@ -128,6 +128,10 @@ def test_lm_eval_served_equals_hf_backend(served_llama, tmp_path, monkeypatch):
                                                   "num_concurrent": 1, "max_retries": 1,
                                                   **tok_args}, tmp_path)
         got = _per_sample(got_out)
+        # the same choice picked per question (what accuracy counts), not only the same mean
+        picks = [[max(range(len(r)), key=lambda k: r[k][0]) for r in g[task]]
+                 for g in (got, want) for task in ("kv_mc",)]
+        assert picks[0] == picks[1], what
         for task in ("kv_mc", "kv_roll"):
             a, b = _lls(got[task]), _lls(want[task])
             assert len(a) == len(b) and len(a) > 0, (what, task)
@@ -137,4 +141,3 @@ def test_lm_eval_served_equals_hf_backend(served_llama, tmp_path, monkeypatch):
         assert got_out["results"]["kv_mc"]["acc,none"] == ref["results"]["kv_mc"]["acc,none"]
         assert got_out["results"]["kv_gen"]["exact_match,none"] == \
             ref["results"]["kv_gen"]["exact_match,none"]
-    assert os.environ["HF_DATASETS_OFFLINE"] == "1"

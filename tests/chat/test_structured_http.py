@@ -33,8 +33,9 @@ def test_json_schema_replies_validate(tools_oai, sampling):
     jsonschema.validate(json.loads(c.message.content), SCHEMA)
     assert c.finish_reason == "stop"
     # the same streamed
-    chunks = list(tools_oai.chat.completions.create(model="artifact", messages=MSGS, response_format=RF,
-                                                    max_tokens=96, stream=True, **sampling))
+    chunks = list(tools_oai.chat.completions.create(model="artifact", messages=MSGS,
+                                                    response_format=RF, max_tokens=96,
+                                                    stream=True, **sampling))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
     if sampling.get("temperature") == 0 or "seed" in sampling:
