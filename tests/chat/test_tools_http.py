@@ -187,3 +187,4 @@ def test_grpc_chat_prompt_takes_the_template_options(tools_app, tools_artifact):
             collect(stub.Generate(bad, metadata=AUTH, timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "chat_template_kwargs" in e.value.details()
+
