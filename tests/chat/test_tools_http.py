@@ -188,3 +188,20 @@ def test_grpc_chat_prompt_takes_the_template_options(tools_app, tools_artifact):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "chat_template_kwargs" in e.value.details()
 
+
+
+def test_streamed_call_with_logprobs(tools_oai):
+    """Logprobs stream for every generated token while the call's text is held back for the
+    parser (chunks with an empty delta carry them)."""
+    chunks = list(tools_oai.chat.completions.create(
+        model="artifact", messages=MSGS, tools=TOOLS, max_tokens=160, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, stream=True,
+        logprobs=True, top_logprobs=2, stream_options={"include_usage": True}))
+    calls, content, reason = _streamed(chunks)
+    assert reason == "tool_calls" and content == "" and calls[0]["name"] == "get_time"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TIME)
+    lps = [e for ch in chunks if ch.choices and ch.choices[0].logprobs
+           for e in ch.choices[0].logprobs.content]
+    used = chunks[-1].usage.completion_tokens
+    assert used - 1 <= len(lps) <= used  # every token but an end token
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
