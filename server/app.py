@@ -244,7 +244,8 @@ class App:
             api = OpenAIApi(self.engine, self.prompts, self.token_bytes, self.state, self.metrics,
                             model_name=c.served_model_name or self.dir.resolve().name,
                             created=int((self.dir / MANIFEST).stat().st_mtime),
-                            auth_token=c.auth_token)
+                            auth_token=c.auth_token, guides=self.guides,
+                            tokenizer_info=self._tokenizer_info())
             self.http_server = HttpServer(api, c.host, c.http_port, c.max_http_body_bytes,
                                           c.tls_cert, c.tls_key)
             self.http_port = self.http_server.start()
@@ -263,6 +264,15 @@ class App:
         if c.port_file:
             self._write_port_file()
         return self.port
+
+    def _tokenizer_info(self) -> dict | None:
+        """vLLM's /tokenizer_info body (None without a tokenizer: no tokenizer routes)."""
+        from .http_tokenize import read_tokenizer_config, tokenizer_info
+
+        if self.tokenizer is None:
+            return None
+        return tokenizer_info(read_tokenizer_config(self.dir), self.tokenizer,
+                              self.limits.max_context, self.eos_id)
 
     def _warmup_request(self, attention: bool) -> GenerateRequest:
         from kvserve.model.sampling import SamplingParams

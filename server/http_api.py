@@ -23,17 +23,20 @@ from typing import Any
 from aiohttp import web
 
 from . import http_log
-from .domain import FinishEvent, FinishReason, ServingError, TokenEvent, Unavailable
-from .openai_requests import ApiError, Parsed, from_serving_error, parse_chat, \
-    parse_completion, parse_json
+from .domain import (FailedPrecondition, FinishEvent, FinishReason, ScoreRequest, ServingError,
+                     Timings, TokenEvent, Unavailable)
+from .guides import Guides
+from .http_chat_request import parse_chat, tool_call_message
+from .http_logprobs import Logprobs
+from .http_sse import FINISH as _FINISH
+from .http_sse import SseChoices
+from .http_tokenize import add_tokenize_routes
+from .openai_requests import ApiError, Parsed, from_serving_error, parse_completion, parse_json
+from .tool_calls import added_token_ids
 from .validation import is_utf8
 
 log = logging.getLogger(__name__)
 
-_FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
-           FinishReason.STOP_SEQUENCE: "stop", FinishReason.STOP_TOKEN: "stop",
-           FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "stop",
-           FinishReason.CONSTRAINT: "stop"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
 
@@ -81,8 +84,15 @@ def _error(e: ApiError) -> web.Response:
 
 class OpenAIApi:
     def __init__(self, engine, prompts, token_bytes, state, metrics, model_name: str,
-                 created: int, auth_token: str = ""):
+                 created: int, auth_token: str = "", guides: Guides | None = None,
+                 tokenizer_info: dict | None = None):
+        """``guides``: the server's constraints (the app's ``Guides``; None: structured outputs
+        and forced tool calls answer 400); ``tokenizer_info``: ``http_tokenize.tokenizer_info``
+        (with it and a tokenizer, vLLM's /tokenize, /detokenize and /tokenizer_info)."""
         self.engine, self.prompts, self.tb = engine, prompts, token_bytes
+        self.guides, self.tokenizer_info = guides, tokenizer_info
+        self.lp = Logprobs(token_bytes)
+        self._added_tokens: dict[str, int] | None = None
         self.state, self.metrics = state, metrics
         self.model, self.created = model_name, created
         self._auth = f"Bearer {auth_token}".encode() if auth_token else None
@@ -96,6 +106,8 @@ class OpenAIApi:
                         web.get("/v1/models", self.models),
                         web.get("/v1/models/{model:.+}", self.model_get),
                         web.get("/health", self.health)])
+        if self.tokenizer_info is not None and self.prompts.tok is not None:
+            add_tokenize_routes(app, self.prompts, self.tokenizer_info, self.model, self._gate)
         return app
 
     @web.middleware
@@ -172,15 +184,33 @@ class OpenAIApi:
                            code="unsupported_media_type")
         raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge
 
-        def work() -> Parsed:  # JSON, the template and the tokenizer run off the loop
+        def work() -> Parsed:  # JSON, the template, the tokenizer, the matchers: off the loop
             body = parse_json(raw)
             try:
-                return (parse_chat if chat else parse_completion)(body, self.prompts,
-                                                                  self.model, rid)
+                if chat:
+                    parsed = parse_chat(body, self.prompts, self.model, rid, self._added())
+                else:
+                    parsed = parse_completion(body, self.prompts, self.model, rid)
+                if parsed.spec is not None:  # one matcher per choice
+                    for r in parsed.requests:
+                        r.constraint = self._guides().constraint(parsed.spec)
+                return parsed
             except ServingError as e:
                 raise from_serving_error(e) from None
 
         return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    def _guides(self) -> Guides:
+        if self.guides is None:
+            raise FailedPrecondition("this server has no constrained decoding")
+        return self.guides
+
+    def _added(self) -> dict[str, int]:
+        """The tokenizer's added tokens (the tool-call markers a constraint asks for)."""
+        if self._added_tokens is None:
+            tok = self.prompts.tok
+            self._added_tokens = added_token_ids(tok.to_str()) if tok is not None else {}
+        return self._added_tokens
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         self._gate()
@@ -197,54 +227,40 @@ class OpenAIApi:
                         handles.append(self.engine.submit(req, _Sink(loop, q, i)))
                 except ServingError as e:
                     raise from_serving_error(e) from None
+                scored = await self._score_prompts(parsed, rid)
+                n = len(parsed.prompt_ids) * parsed.n
                 if parsed.stream:
-                    return await self._stream(request, parsed, rid, chat, q, len(handles))
-                return await self._collect(parsed, rid, chat, q, len(handles))
+                    return await self._stream(request, parsed, rid, chat, q, n, scored)
+                return await self._collect(parsed, rid, chat, q, n, scored)
             finally:
                 for h in handles:  # no-op for finished ones; frees the slot of the others
                     h.cancel()
 
+    async def _score_prompts(self, parsed: Parsed, rid: str) -> list:
+        """Each prompt's own logprobs (echo with logprobs, prompt_logprobs) from the engine's
+        Score path; [None] * prompts when not asked."""
+        if not parsed.scores_prompt:
+            return [None] * len(parsed.prompt_ids)
+        top = max(parsed.top_logprobs if parsed.echo else 0, parsed.prompt_logprobs or 0)
+        try:
+            handle, fut = self.engine.submit_score(ScoreRequest(
+                [list(i) for i in parsed.prompt_ids], top, request_id=rid + "-prompt"))
+        except ServingError as e:
+            raise from_serving_error(e) from None
+        try:
+            return await asyncio.wrap_future(fut)
+        except ServingError as e:
+            raise from_serving_error(e) from None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - logged, answered as a 500
+            log.exception("prompt scoring for %s failed", rid)
+            raise ApiError(500, f"prompt scoring failed (internal error); request {rid}",
+                           "server_error", code="internal_error") from None
+        finally:
+            handle.cancel()
+
     # --- responses -----------------------------------------------------------------------------
-    def _token(self, i: int) -> tuple[str, list[int]]:
-        b = bytes(self.tb[i])
-        return b.decode("utf-8", errors="replace"), list(b)
-
-    def _chat_logprobs(self, evs: list[TokenEvent], parsed: Parsed) -> dict | None:
-        if not parsed.logprobs:
-            return None
-        content = []
-        for ev in evs:
-            if ev.special:
-                continue
-            tok, b = self._token(ev.token_id)
-            tops = []
-            if ev.top_ids is not None:
-                for i, lp in zip(ev.top_ids.tolist(), ev.top_logprobs.tolist()):
-                    t, tb = self._token(int(i))
-                    tops.append({"token": t, "logprob": float(lp), "bytes": tb})
-            content.append({"token": tok, "logprob": float(ev.logprob), "bytes": b,
-                            "top_logprobs": tops})
-        return {"content": content}
-
-    def _completion_logprobs(self, evs: list[TokenEvent], parsed: Parsed, offset: int) -> dict | None:
-        if not parsed.logprobs:
-            return None
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                "text_offset": []}
-        for ev in evs:
-            if ev.special:
-                continue
-            out["tokens"].append(self._token(ev.token_id)[0])
-            out["token_logprobs"].append(float(ev.logprob))
-            tops = {}
-            if ev.top_ids is not None:
-                for i, lp in zip(ev.top_ids.tolist(), ev.top_logprobs.tolist()):
-                    tops.setdefault(self._token(int(i))[0], float(lp))
-            out["top_logprobs"].append(tops)
-            out["text_offset"].append(offset)
-            offset += len(ev.text)
-        return out
-
     @staticmethod
     def _finish_error(ev: FinishEvent, rid: str) -> ApiError | None:
         if ev.reason is FinishReason.ERROR:
@@ -265,10 +281,38 @@ class OpenAIApi:
         return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    @staticmethod
+    def _no_generation(parsed: Parsed, n: int) -> dict[int, FinishEvent]:
+        """max_tokens 0 (echo): every choice ends at once, by length."""
+        return {i: FinishEvent(FinishReason.LENGTH, len(parsed.prompt_ids[i // parsed.n]), 0,
+                               "", Timings()) for i in range(n)}
+
+    def _completion_choice(self, i: int, parsed: Parsed, f: FinishEvent,
+                           evs: list[TokenEvent], scored: list) -> dict:
+        p = i // parsed.n
+        prompt = parsed.prompt_texts[p] if parsed.echo else ""
+        lp = self.lp.completion(evs, parsed.logprobs, len(prompt), specials=parsed.echo)
+        if parsed.echo and parsed.logprobs:
+            head = self.lp.echo(parsed.prompt_ids[p], scored[p], parsed.top_logprobs)
+            lp = {k: head[k] + lp[k] for k in head}
+        choice = {"index": i, "text": prompt + f.text, "logprobs": lp,
+                  "finish_reason": _FINISH[f.reason]}
+        if parsed.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.lp.vllm_prompt(parsed.prompt_ids[p], scored[p],
+                                                            parsed.prompt_logprobs)
+        return choice
+
+    def _chat_choice(self, i: int, parsed: Parsed, f: FinishEvent,
+                     evs: list[TokenEvent]) -> dict:
+        message, calls = tool_call_message(f.text, parsed.tool_format)
+        return {"index": i, "message": message, "logprobs": self.lp.chat(evs, parsed.logprobs),
+                "finish_reason": "tool_calls" if calls else _FINISH[f.reason]}
+
     async def _collect(self, parsed: Parsed, rid: str, chat: bool, q: asyncio.Queue,
-                       n: int) -> web.Response:
+                       n: int, scored: list) -> web.Response:
         tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(n)}
-        finishes: dict[int, FinishEvent] = {}
+        finishes: dict[int, FinishEvent] = {} if parsed.generate else \
+            self._no_generation(parsed, n)
         while len(finishes) < n:
             i, ev = await q.get()
             if isinstance(ev, TokenEvent):
@@ -278,21 +322,19 @@ class OpenAIApi:
             if err is not None:
                 raise err
             finishes[i] = ev
-        choices = []
-        for i in range(n):
-            f = finishes[i]
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": f.text},
-                                "logprobs": self._chat_logprobs(tokens[i], parsed),
-                                "finish_reason": _FINISH[f.reason]})
-            else:
-                choices.append({"index": i, "text": f.text,
-                                "logprobs": self._completion_logprobs(tokens[i], parsed, 0),
-                                "finish_reason": _FINISH[f.reason]})
+        if chat:
+            choices = [self._chat_choice(i, parsed, finishes[i], tokens[i]) for i in range(n)]
+        else:
+            choices = [self._completion_choice(i, parsed, finishes[i], tokens[i], scored)
+                       for i in range(n)]
         self._count_ok(chat)
-        return _json({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                      "created": int(time.time()), "model": self.model, "choices": choices,
-                      "usage": self._usage(finishes, parsed)})
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices,
+                "usage": self._usage(finishes, parsed)}
+        if chat and parsed.prompt_logprobs is not None:  # vLLM: on the response
+            body["prompt_logprobs"] = self.lp.vllm_prompt(parsed.prompt_ids[0], scored[0],
+                                                          parsed.prompt_logprobs)
+        return _json(body)
 
     def _count_ok(self, chat: bool) -> None:
         if self.metrics is not None:
@@ -300,53 +342,28 @@ class OpenAIApi:
                                       else "http /v1/completions", outcome="ok")
 
     async def _stream(self, request: web.Request, parsed: Parsed, rid: str, chat: bool,
-                      q: asyncio.Queue, n: int) -> web.StreamResponse:
+                      q: asyncio.Queue, n: int, scored: list) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        async def send(choices: list[dict], usage: dict | None = None) -> None:
-            chunk = {"id": rid, "object": obj, "created": created, "model": self.model,
-                     "choices": choices}
-            if usage is not None:
-                chunk["usage"] = usage
-            await resp.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode()
-                             + b"\n\n")
-
-        if chat:
-            await send([{"index": i, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None} for i in range(n)])
-        finishes: dict[int, FinishEvent] = {}
-        offsets = [0] * n
+        out = SseChoices(resp, parsed, rid, self.model, chat, n, self.lp)
+        await out.start(scored)
+        finishes: dict[int, FinishEvent] = {} if parsed.generate else \
+            self._no_generation(parsed, n)
+        for i, ev in finishes.items():
+            await out.finish(i, ev)
         while len(finishes) < n:
             i, ev = await q.get()
             if isinstance(ev, TokenEvent):
-                if not ev.text and not (parsed.logprobs and not ev.special):
-                    continue
-                if chat:
-                    await send([{"index": i, "delta": {"content": ev.text},
-                                 "logprobs": self._chat_logprobs([ev], parsed),
-                                 "finish_reason": None}])
-                else:
-                    await send([{"index": i, "text": ev.text, "finish_reason": None,
-                                 "logprobs": self._completion_logprobs([ev], parsed,
-                                                                       offsets[i])}])
-                    offsets[i] += len(ev.text)
+                await out.token(i, ev)
                 continue
             err = self._finish_error(ev, rid)
             if err is not None:  # the status is sent already: the error goes in the stream
                 await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                 return resp
             finishes[i] = ev
-            if chat:
-                await send([{"index": i, "delta": {}, "logprobs": None,
-                             "finish_reason": _FINISH[ev.reason]}])
-            else:
-                await send([{"index": i, "text": "", "logprobs": None,
-                             "finish_reason": _FINISH[ev.reason]}])
+            await out.finish(i, ev)
         if parsed.include_usage:
-            await send([], self._usage(finishes, parsed))
+            await out.send([], self._usage(finishes, parsed))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         self._count_ok(chat)

@@ -5,21 +5,28 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import request_map as RM
 from . import validation as V
+from .constraints import ConstraintSpec
 from .domain import (FailedPrecondition, GenerateRequest, InvalidArgument, OutputParams,
                      ServingError, Unimplemented)
+from .chat_messages import MESSAGE_KEYS
 from .prompts import Prompts
+from .structured_requests import FIELDS as STRUCTURED_FIELDS
+from .structured_requests import constraint_from_request
 
 # the sampling fields come from the one request mapping (request_map.SAMPLING_FIELDS)
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user",
            "logit_bias", "ignore_eos"} | RM.FIELD_NAMES
+_COMMON |= set(STRUCTURED_FIELDS) | {"prompt_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
-                         "response_format", "tools", "tool_choice", "parallel_tool_calls"}
+                         "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                         "add_generation_prompt", "continue_final_message"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -47,10 +54,10 @@ def from_serving_error(e: ServingError) -> ApiError:
     if isinstance(e, Unavailable):
         return ApiError(503, str(e), "service_unavailable", code="service_unavailable")
     if isinstance(e, FailedPrecondition):
-        return ApiError(400, str(e), code="failed_precondition")
+        return ApiError(400, str(e), param=e.field, code="failed_precondition")
     if isinstance(e, Unimplemented):
-        return ApiError(400, str(e), code="unsupported")
-    return ApiError(400, str(e))
+        return ApiError(400, str(e), param=e.field, code="unsupported")
+    return ApiError(400, str(e), param=e.field)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -131,6 +138,39 @@ class Parsed:
     requests: list[GenerateRequest] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
+    # what constrains every choice (each gets its own matcher); None: nothing
+    spec: ConstraintSpec | None = None
+    # chat with tools: the format the output is parsed in (tool_calls); None: no parsing
+    tool_format: Any = None
+    # completions: ``echo`` (the prompt's text and, with logprobs, its tokens' logprobs first)
+    echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: top-n per prompt token
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
+    generate: bool = True  # False: max_tokens 0 with echo (the prompt's scores only)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompts' own logprobs are asked for (the engine's Score path)."""
+        return (self.echo and self.logprobs) or self.prompt_logprobs is not None
+
+
+def structured_spec(body: dict) -> ConstraintSpec | None:
+    """``response_format`` / ``structured_outputs`` / ``guided_*`` -> the constraint; a bad one
+    is a 400 whose ``param`` names the field (e.g. ``response_format.json_schema.schema``)."""
+    try:
+        return constraint_from_request(body)
+    except InvalidArgument as e:
+        raise bad(str(e), e.field or error_param(str(e), body, STRUCTURED_FIELDS)) from None
+
+
+def error_param(message: str, body: dict, names, default: str | None = None) -> str | None:
+    """The field a message starts with (``response_format.json_schema.schema: ...``), when it
+    is one of ``names``; else the first of ``names`` in ``body``, else ``default``."""
+    head = re.match(r"'?([A-Za-z_][\w.\[\]]*)", message)
+    if head and head.group(1).split(".")[0].split("[")[0] in names:
+        return head.group(1)
+    return next((k for k in names if body.get(k) is not None), default)
 
 
 def _common(body: dict, allowed: set[str], model: str, lim: V.Limits) -> dict:
@@ -202,51 +242,85 @@ def _requests(prompts: list[list[int]], opts: dict, max_tokens: int | None, logp
 
 
 def _max_tokens(body: dict, names: tuple[str, ...], default: int | None,
-                lim: V.Limits) -> int | None:
+                lim: V.Limits, lo: int = 1) -> int | None:
     v = default
     for name in names:
-        got = _int(body, name, None, 1, lim.cfg.max_new_tokens)
+        got = _int(body, name, None, lo, lim.cfg.max_new_tokens)
         if got is not None:
             v = got
     return v
 
 
+def prompt_logprobs(body: dict, lim: V.Limits) -> int | None:
+    """vLLM's ``prompt_logprobs``: top-n per prompt token (0: the prompt token's own only)."""
+    return _int(body, "prompt_logprobs", None, 0, lim.cfg.max_top_logprobs)
+
+
 def parse_completion(body: dict, prompts: Prompts, model: str, rid: str) -> Parsed:
     lim = prompts.lim
     opts = _common(body, COMPLETION_FIELDS, model, lim)
-    if _bool(body, "echo", False):
-        raise bad("'echo' is not supported by this server", "echo")
+    echo = _bool(body, "echo", False)
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported by this server", "suffix")
     best_of = _int(body, "best_of", None, 1, lim.cfg.max_n)
     if best_of is not None and best_of != opts["n"]:
         raise bad("'best_of' other than n is not supported by this server", "best_of")
     n_lp = _int(body, "logprobs", None, 0, lim.cfg.max_top_logprobs)
-    ids = _completion_prompts(body.get("prompt"), prompts, lim)
-    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS, lim)
-    # a prompt too long for the default leaves what the context allows
-    reqs = _requests(ids, opts, max_tokens if body.get("max_tokens") is not None else
-                     min(max_tokens, max(1, lim.max_context - max(map(len, ids)))),
-                     n_lp is not None, n_lp or 0, rid, lim)
-    return Parsed(model, opts["stream"], opts["include_usage"], opts["n"], reqs,
-                  n_lp is not None, n_lp or 0)
+    p_lp = prompt_logprobs(body, lim)
+    ids, texts = _completion_prompts(body.get("prompt"), prompts, lim)
+    # max_tokens 0: nothing generated, only with echo (the prompt and its logprobs, as vLLM)
+    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS, lim,
+                             lo=0 if echo else 1)
+    spec = structured_spec(body)
+    generate = max_tokens != 0
+    if generate:
+        # a prompt too long for the default leaves what the context allows
+        reqs = _requests(ids, opts, max_tokens if body.get("max_tokens") is not None else
+                         min(max_tokens, max(1, lim.max_context - max(map(len, ids)))),
+                         n_lp is not None, n_lp or 0, rid, lim)
+    else:
+        if len(ids) * opts["n"] > lim.cfg.max_n:
+            raise bad(f"{len(ids)} prompts x n={opts['n']} choices is over the limit of "
+                      f"{lim.cfg.max_n} choices per request", "n")
+        reqs = []
+    parsed = Parsed(model, opts["stream"], opts["include_usage"], opts["n"], reqs,
+                    n_lp is not None, n_lp or 0, spec=spec, echo=echo, prompt_logprobs=p_lp,
+                    prompt_ids=ids, generate=generate)
+    if echo:
+        parsed.prompt_texts = [t if t is not None else prompts.tok.decode(i)
+                               for t, i in zip(texts, ids)]
+    if parsed.scores_prompt:
+        check_prompt_scores(ids, lim)
+    return parsed
 
 
-def _completion_prompts(p: Any, prompts: Prompts, lim: V.Limits) -> list[list[int]]:
+def check_prompt_scores(ids: list[list[int]], lim: V.Limits) -> None:
+    """The prompts' own logprobs run through the engine's Score path: its bounds."""
+    total = sum(map(len, ids))
+    if total > lim.cfg.max_score_tokens:
+        raise bad(f"the prompts have {total} tokens; prompt logprobs (echo with logprobs, "
+                  f"prompt_logprobs) are served for up to {lim.cfg.max_score_tokens} in all",
+                  "prompt")
+
+
+def _completion_prompts(p: Any, prompts: Prompts, lim: V.Limits
+                        ) -> tuple[list[list[int]], list[str | None]]:
+    """(ids, text) per prompt; text None for a token-id prompt."""
     if p is None:
         raise bad("'prompt' is required", "prompt")
     try:
         if isinstance(p, str):
-            return [prompts.text(p, "prompt")]
+            return [prompts.text(p, "prompt")], [p]
         if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool)
                                              for x in p):
-            return [prompts.ids(p, "prompt")]
+            return [prompts.ids(p, "prompt")], [None]
         if isinstance(p, list) and p and len(p) <= lim.cfg.max_n:
             if all(isinstance(x, str) for x in p):
-                return [prompts.text(x, f"prompt[{i}]") for i, x in enumerate(p)]
+                return [prompts.text(x, f"prompt[{i}]") for i, x in enumerate(p)], list(p)
             if all(isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                                for t in x) for x in p):
-                return [prompts.ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
+                return ([prompts.ids(x, f"prompt[{i}]") for i, x in enumerate(p)],
+                        [None] * len(p))
     except InvalidArgument as e:
         raise bad(str(e), "prompt") from None
     if isinstance(p, list) and len(p) > lim.cfg.max_n:
@@ -255,7 +329,10 @@ def _completion_prompts(p: Any, prompts: Prompts, lim: V.Limits) -> list[list[in
               "array of arrays of token ids (non-empty)", "prompt")
 
 
-def chat_messages(v: Any, lim: V.Limits) -> list[tuple[str, str]]:
+def chat_messages(v: Any, lim: V.Limits) -> list[dict]:
+    """The request's messages as the template receives them: text parts joined, a null
+    content "" (kept null beside ``tool_calls``); the other keys are checked by
+    ``Prompts.check_messages`` (``chat_messages.MESSAGE_KEYS``)."""
     if not isinstance(v, list) or not v:
         raise bad("'messages' must be a non-empty array of {role, content} objects",
                   "messages")
@@ -266,13 +343,13 @@ def chat_messages(v: Any, lim: V.Limits) -> list[tuple[str, str]]:
     for i, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - MESSAGE_KEYS
         if extra:
             raise bad(f"messages[{i}] has unsupported fields: {', '.join(sorted(extra))}",
                       "messages")
         content = m.get("content")
         if content is None:
-            content = ""
+            content = None if m.get("tool_calls") else ""
         elif isinstance(content, list):  # text parts
             if not all(isinstance(part, dict) and part.get("type") == "text"
                        and isinstance(part.get("text"), str) for part in content):
@@ -282,31 +359,5 @@ def chat_messages(v: Any, lim: V.Limits) -> list[tuple[str, str]]:
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or an array of text parts",
                       "messages")
-        out.append((m["role"], content))
+        out.append({**m, "content": content})
     return out
-
-
-def parse_chat(body: dict, prompts: Prompts, model: str, rid: str) -> Parsed:
-    lim = prompts.lim
-    opts = _common(body, CHAT_FIELDS, model, lim)
-    for name in ("tools", "tool_choice"):
-        if body.get(name) not in (None, [], "none"):
-            raise bad(f"'{name}' is not supported by this server (no tool calling)", name)
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported",
-                  "response_format")
-    logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, 0, lim.cfg.max_top_logprobs)
-    if top and not logprobs:
-        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    messages = chat_messages(body.get("messages"), lim)
-    try:
-        ids = prompts.chat(messages, add_generation_prompt=True)
-    except FailedPrecondition:
-        raise
-    except InvalidArgument as e:
-        raise bad(str(e), "messages") from None
-    max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"), None, lim)
-    reqs = _requests([ids], opts, max_tokens, logprobs, top, rid, lim)
-    return Parsed(model, opts["stream"], opts["include_usage"], opts["n"], reqs, logprobs, top)

@@ -116,9 +116,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if which is None:
             raise InvalidArgument("the prompt is empty: set text or token_ids")
         if which == "chat":
-            agp = r.chat.add_generation_prompt if r.chat.HasField("add_generation_prompt") \
-                else True
-            ids = self.prompts.chat([(m.role, m.content) for m in r.chat.messages], agp)
+            ids = self._chat_ids(r.chat)
         else:
             ids = self._prompt_ids(r.text if which == "text" else None,
                                    r.token_ids.ids if which == "token_ids" else None)
@@ -145,6 +143,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               constraint=self.guides.constraint(spec))
         resume.check(req, self.tb, self.engine.eos_ids)
         return req
+
+    def _chat_ids(self, chat: pb.ChatPrompt) -> list[int]:
+        cont = chat.continue_final_message
+        agp = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not cont
+        kwargs = None
+        if chat.chat_template_kwargs:
+            try:
+                kwargs = json.loads(chat.chat_template_kwargs)
+            except ValueError:
+                raise InvalidArgument("chat.chat_template_kwargs is not a JSON object") from None
+        return self.prompts.chat([(m.role, m.content) for m in chat.messages], agp, cont,
+                                 template_kwargs=kwargs)
 
     def _chunk(self, ev: TokenEvent) -> pb.GenerateResponse:
         c = pb.TokenChunk(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)
@@ -295,7 +305,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                               name=lambda i: "text", what="texts: ")
         budget, seqs, total = self.lim.cfg.max_score_tokens, [], 0
         for i, t in enumerate(texts):
-            seqs.append(self.tok.encode(t))
+            seqs.append(self.prompts.text(t, "text"))  # BOS as transformers adds it
             total += len(seqs[-1])
             if total > budget:
                 raise InvalidArgument(f"the texts have {total} tokens in all after {i + 1} of "
@@ -309,10 +319,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._need_tokenizer("Tokenize")
             if len(request.texts) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
-            texts = V.check_texts(request.texts, V.tokenize_chars(self.lim.cfg), self.lim)
+            # checked and tokenized as transformers' AutoTokenizer (BOS/EOS per the
+            # tokenizer's post-processor)
+            ids = self.prompts.texts(request.texts, V.tokenize_chars(self.lim.cfg)) \
+                if request.texts else []
         except ServingError as e:
             _abort(context, e)
-        ids = self.tok.encode_batch(texts) if texts else []
         return pb.TokenizeResponse(tokens=[pb.TokenIds(ids=x) for x in ids])
 
     def Detokenize(self, request, context):  # noqa: N802

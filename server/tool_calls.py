@@ -24,7 +24,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .constraints import ConstraintSpec
+from .constraints import JSON_DEFAULTS, ConstraintSpec
 from .domain import InvalidArgument
 
 MAX_TOOLS = 128
@@ -146,6 +146,8 @@ def tool_constraint(tools: Sequence[Tool], choice: str | Tool, fmt: ToolFormat,
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     schemas = [_call_schema(t, key) for t in chosen]
     one = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    # as every JSON constraint: no free whitespace (a weak model fills the reply with newlines)
+    one = {**one, "x-guidance": dict(JSON_DEFAULTS)}
     js = "%json " + json.dumps(one, ensure_ascii=False)
     added = added_tokens or {}
     lit = lambda s: json.dumps(s)  # noqa: E731 - a Lark string literal

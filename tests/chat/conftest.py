@@ -44,3 +44,25 @@ def chat_stub(chat_app):
     with ready_channel(chat_app.port) as ch:
         yield pb_grpc.InferenceStub(ch)
 
+
+
+@pytest.fixture(scope="session")
+def tools_artifact(tmp_path_factory):
+    from tools_artifact import build_tools_artifact
+
+    return build_tools_artifact(tmp_path_factory.mktemp("tools_artifact"))
+
+
+@pytest.fixture(scope="session")
+def tools_app(tools_artifact):
+    with running_app(tools_artifact, http_port=0, auth_token=TOKEN, max_batch=8,
+                     max_queue=32) as a:
+        yield a
+
+
+@pytest.fixture()
+def tools_oai(tools_app):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{tools_app.http_port}/v1", api_key=TOKEN,
+                       max_retries=0, timeout=120) as c:
+        yield c

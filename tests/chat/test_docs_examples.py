@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,29 @@ def test_http_doc_curl_examples_work_as_written(chat_artifact):
     assert completion["object"] == "text_completion" and completion["choices"][0]["logprobs"]
     assert objs[-1][1] == {"status": "ok", "model": "default"}
     assert re.search(r'"model": "default"', DOC.read_text())
+
+
+STRUCTURED_DOC = DOC.parent / "structured-outputs.md"
+
+
+def _python_block(doc: Path, name: str) -> str:
+    text = doc.read_text()
+    block = text.split(f"<!-- {name}:start -->", 1)[1].split(f"<!-- {name}:end -->")[0]
+    return block.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.parametrize("doc, name", [(STRUCTURED_DOC, "structured-examples"),
+                                       (DOC, "http-python-examples")])
+def test_python_doc_examples_work_as_written(tools_artifact, doc, name):
+    """The openai-client examples of docs/structured-outputs.md and docs/http-api.md, run as
+    written against a random-init model with a Hermes-style template served as `default`
+    (only localhost:8000 becomes the test server's address)."""
+    pytest.importorskip("openai")
+    code = _python_block(doc, name)
+    assert "localhost:8000" in code
+    with running_app(tools_artifact, http_port=0, served_model_name="default") as app:
+        code = code.replace("localhost:8000", f"127.0.0.1:{app.http_port}")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip(), "the examples print what they got"
