@@ -266,6 +266,8 @@ class OpenAIApi:
         if ev.reason is FinishReason.ERROR:
             return ApiError(500, f"generation failed (internal error); request {rid}",
                             "server_error", code="internal_error")
+        if ev.reason is FinishReason.CONSTRAINT and ev.error:
+            return ApiError(400, ev.error, code="constraint_stuck")
         if ev.reason is FinishReason.CANCELLED and ev.error:
             return ApiError(503, ev.error, "service_unavailable", code="service_unavailable")
         return None

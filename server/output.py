@@ -20,11 +20,17 @@ import numpy as np
 from kvserve.model.sampling import token_logprobs
 
 from .domain import FinishEvent, FinishReason, OutputParams, Timings, TokenEvent
+from .constraints import ConstraintViolation
 from .interfaces import EngineMetrics
 from .sequence import Sequence
 from .stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
+
+# what a request is told when its constraint cannot go on (only this request ends)
+CONSTRAINT_STUCK = ("the constraint cannot go on: it asks for text that is the content of one "
+                    "of the tokenizer's added tokens (e.g. '<tool_call>'), which the matcher "
+                    "takes only as that token; constrain with text the tokenizer spells out")
 
 
 def token_event(k: int, tok: int, raw: np.ndarray, attention, stop: StopCheck,
@@ -72,12 +78,18 @@ class OutputProcessor:
             self._release(seq)
         req = seq.req
         k = len(seq.generated)
-        seq.generated.append(tok)
-        seq.feed = tok
         complete = False
         if req.constraint is not None:
-            req.constraint.consume(tok)
+            try:
+                req.constraint.consume(tok)
+            except ConstraintViolation:  # (its own mask allowed it: an llguidance corner)
+                log.warning("request %s: the constraint refused token %d that its mask allowed",
+                            seq.handle.request_id, tok)
+                self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_STUCK)
+                return StopCheck("", FinishReason.CONSTRAINT)
             complete = req.constraint.done
+        seq.generated.append(tok)
+        seq.feed = tok
         stop = check_stop(tok, k, req.stopping, self.eos_ids, seq.detok, seq.stopper, complete)
         self._emit(seq, token_event(k, tok, raw, attention, stop, req.output))
         if stop.finish is not None:

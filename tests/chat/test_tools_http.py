@@ -205,3 +205,22 @@ def test_streamed_call_with_logprobs(tools_oai):
     used = chunks[-1].usage.completion_tokens
     assert used - 1 <= len(lps) <= used  # every token but an end token
     assert all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lps)
+
+
+def test_a_constraint_that_cannot_go_on_ends_its_own_request_only(tools_oai):
+    """A regex spelling an added token's content ('<tool_call>') as text: llguidance's mask
+    allows only the added token and its matcher then refuses it. That request gets a 400
+    saying why; a request running beside it completes."""
+    import concurrent.futures
+
+    import openai
+
+    free = dict(model="artifact", prompt="def f(x):", max_tokens=24, temperature=0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(tools_oai.completions.create, **free)
+        with pytest.raises(openai.BadRequestError) as e:
+            tools_oai.completions.create(model="artifact", prompt="x", max_tokens=8,
+                                         extra_body={"structured_outputs":
+                                                     {"regex": "<tool_call>[a-z]+"}})
+        assert "added tokens" in str(e.value)
+        assert other.result().choices[0].finish_reason == "length"
