@@ -236,12 +236,9 @@ class Client(_Base):
                 on_call(call)
             try:
                 for msg in call:
-                    for ev in M.generate_events(msg, lp):
-                        if isinstance(ev, TokenEvent):
-                            if not rs.accept(ev.index, ev.id):
-                                continue  # (sent again by a server that restarted it)
-                            attempt = 1  # progress: the retry budget starts again
-                        yield ev
+                    events, progress = rs.events(msg, lp)
+                    attempt = 1 if progress else attempt
+                    yield from events
                 return
             except grpc.RpcError as e:
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
@@ -327,11 +324,9 @@ class AsyncClient(_Base):
                                        metadata=self._metadata)
             try:
                 async for msg in call:
-                    for ev in M.generate_events(msg, lp):
-                        if isinstance(ev, TokenEvent):
-                            if not rs.accept(ev.index, ev.id):
-                                continue  # (sent again by a server that restarted it)
-                            attempt = 1  # progress: the retry budget starts again
+                    events, progress = rs.events(msg, lp)
+                    attempt = 1 if progress else attempt
+                    for ev in events:
                         yield ev
                 return
             except grpc.RpcError as e:

@@ -26,6 +26,8 @@ import grpc
 
 from kvserve.v1 import inference_pb2 as pb
 
+from . import messages as M
+
 # the sampling rule's greedy threshold (kvserve.model.sampling.GREEDY_BELOW_TEMPERATURE; the
 # client does not import the model package)
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -90,6 +92,19 @@ class StreamResume:
         what = f"token {token_id} at index {i}, delivered {self.ids[i]}" if i < n else \
             f"index {i} after {n} tokens"
         raise ResumeError(f"the resumed stream does not continue the one delivered ({what})")
+
+    def events(self, msg: pb.GenerateResponse, logprobs: bool) -> tuple[list, bool]:
+        """The caller's events of one stream message (tokens sent again by a server that
+        restarted the stream are skipped) and whether a new token came (progress: the retry
+        budget starts again)."""
+        out, progress = [], False
+        for ev in M.generate_events(msg, logprobs):
+            if isinstance(ev, M.TokenEvent):
+                if not self.accept(ev.index, ev.id):
+                    continue
+                progress = True
+            out.append(ev)
+        return out, progress
 
     def may_resume(self, code: grpc.StatusCode, details: str) -> bool:
         """This error is resumed (after tokens were delivered; else it is raised) or, before
