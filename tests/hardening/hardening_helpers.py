@@ -141,20 +141,21 @@ def slow_decode(monkeypatch, app, seconds: float) -> None:
 
 def held_decode(monkeypatch, app, hold, seconds: float, timeout: float = 60.0
                 ) -> threading.Event:
-    """In-process: every decode step of ``app`` sleeps ``seconds`` (as ``slow_decode``) and,
+    """In-process: every model step of ``app`` sleeps ``seconds`` (as ``slow_decode``) and,
     once ``hold()`` is true, waits until the returned Event is set: from then on the model
     makes no progress until the test says so (``timeout`` only keeps a broken test from
     hanging). ``hold`` runs on the engine thread, before the step."""
     go = threading.Event()
-    orig = app.lm.decode
+    for name in ("decode", "verify"):  # every model step (speculation's verify too)
+        orig = getattr(app.lm, name)
 
-    def decode(*a, **kw):
-        if not go.is_set() and hold():
-            go.wait(timeout)
-        time.sleep(seconds)
-        return orig(*a, **kw)
+        def step(*a, _orig=orig, **kw):
+            if not go.is_set() and hold():
+                go.wait(timeout)
+            time.sleep(seconds)
+            return _orig(*a, **kw)
 
-    monkeypatch.setattr(app.lm, "decode", decode)
+        monkeypatch.setattr(app.lm, name, step)
     return go
 
 

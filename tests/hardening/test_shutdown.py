@@ -45,7 +45,8 @@ def _loaded(s, running, queued):
 
 def test_sigterm_within_grace_drains_then_exits_0(artifact, tmp_path):
     with served(artifact.dir, tmp_path, "--drain-grace", "30", "--max-batch", "2",
-                "--metrics-port", "0", step_delay=0.01) as s:
+                "--metrics-port", "0", "--speculative-tokens", "0",  # one token a step
+                step_delay=0.01) as s:
         stub = pb_grpc.InferenceStub(s.channel)
         calls = [stub.Generate(gen_request("x", 60)) for _ in range(4)]  # 2 decoding, 2 queued
         threads, out = _run_all(calls)
@@ -78,7 +79,8 @@ def test_sigterm_within_grace_drains_then_exits_0(artifact, tmp_path):
 def test_sigterm_past_grace_ends_streams_with_unavailable_shutting_down(artifact, tmp_path):
     grace = 0.3
     with served(artifact.dir, tmp_path, "--drain-grace", grace, "--max-batch", "2",
-                "--metrics-port", "0", step_delay=0.01) as s:
+                "--metrics-port", "0", "--speculative-tokens", "0",  # one token a step
+                step_delay=0.01) as s:
         stub = pb_grpc.InferenceStub(s.channel)
         calls = [stub.Generate(gen_request("x", 250)) for _ in range(4)]  # >= 2.5 s each
         threads, out = _run_all(calls)
