@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only the prefix cache's and speculation's cells (shared prefix, "
                              "chat replay, speculation); merged into the size's results JSON "
                              "when the results directory has one")
+    parser.add_argument("--llamacpp-only", action="store_true",
+                        help="only llama.cpp (llama-cpp-python) against the engine at the same "
+                             "cells and precisions; written as <size>+llamacpp.json")
     parser.add_argument("--trained-ckpt", default=None, metavar="DIR",
                         help="the trained size: this checkpoint of a default `kvserve train` "
                              "run (e.g. an unfinished run's last save) instead of training one "
@@ -124,6 +127,19 @@ def speed_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
     out = {"engine": dict(cells), "engine_on": on, "genai": dict(cells)}
     if llamacpp_installed() and "spec" in cells:
         out["llamacpp"] = {"spec": spec}
+    return out
+
+
+def llamacpp_only_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
+    """``--llamacpp-only``: llama.cpp's cells and kvserve's engine at the same cells and
+    precisions (fp32, and on 100M int8 / int4), nothing else."""
+    ll = llamacpp_plan(size, quick, rep)
+    if not ll:
+        return {}
+    cell = {k: v for k, v in ll["llamacpp"].items() if k != "quant"}
+    out = {"engine": dict(cell), **ll}
+    if "llamacpp_q8" in ll:
+        out["engine_int8"] = dict(cell, sample_tokens=False)
     return out
 
 
@@ -251,10 +267,12 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
 
 def size_plan(name: str, args) -> dict[str, dict]:
     """The plan of one size after ``--runners`` and ``--speed-only``."""
+    rep = args.repeats or ROUNDS
     if args.speed_only:
-        rep = args.repeats or ROUNDS
         pl = {k: {"repeats": rep, "prompt_len": 32, **v}
               for k, v in speed_plan(name, args.quick, rep).items()}
+    elif args.llamacpp_only:
+        pl = llamacpp_only_plan(name, args.quick, rep)
     else:
         pl = plan(name, args.quick, args.repeats)
     want = set(args.runners.split(",")) if args.runners else None
@@ -311,6 +329,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     prompts, files = code_prompts(built, pl)
     if files:
         out["meta"]["code_files"] = files
+        out["meta"]["code_prompt_tokens"] = len(prompts[0])
     paths = dict(artifact=str(built.fp32), ckpt=str(built.ckpt), hf=str(built.hf),
                  genai=str(built.genai) if built.genai else None,
                  int8_artifact=str(built.int8) if built.int8 else None,
@@ -327,12 +346,14 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     out["runners"] = run_turns(pl, paths, rounds, cache / "tmp")
     out["meta"]["others_cores_before"] = busy
     out["meta"]["measure_seconds"] = round(time.perf_counter() - t0, 1)
-    if not args.speed_only and name != "trained":
+    if not (args.speed_only or args.llamacpp_only) and name != "trained":
         wait_for_quiet(args.wait_load, min(args.wait_max, 30))
         out["roofline"] = _roofline(built, pl, args, out)
     out["meta"]["load_after"] = loadavg()
     results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}.json"
+    if args.llamacpp_only:  # its own results: kvserve vs llama.cpp, measured together
+        out["size"], out["label"] = f"{name}+llamacpp", f"{out['label']}: kvserve vs llama.cpp"
+    path = results_dir / f"{out['size']}.json"
     if args.speed_only and path.is_file():  # the new cells into the size's existing results
         out = merge_speed(json.loads(path.read_text()), out)
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")

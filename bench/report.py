@@ -242,6 +242,7 @@ def load_results(results_dir: Path) -> dict[str, dict]:
         d = json.loads(p.read_text())
         if isinstance(d, dict) and "runners" in d:
             out[d.get("size", p.stem)] = d
-    order = ["bench-6m", "bench-100m", "small", "trained"]
+    order = ["bench-6m", "bench-100m", "small", "trained", "bench-6m+llamacpp",
+             "bench-100m+llamacpp"]
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
                        else len(order)))

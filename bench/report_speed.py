@@ -51,8 +51,9 @@ def prefix_chat_tables(size: dict) -> list[str]:
         for r in chat:
             e = get(size, "runners", r, "chat", name)
             cached = [c for c in e.get("cached_tokens") or [] if c is not None]
+            last = (e.get("ttft_ms") or [None])[-1]
             lines.append(f"| {_label(size, r)} | {fmt(e.get('ttft_ms_sum'))} | "
-                         f"{fmt(e.get('total_ms_sum'))} | {fmt((e.get('ttft_ms') or [None])[-1], 1)}"
+                         f"{fmt(e.get('total_ms_sum'))} | {fmt(last, 1)}"
                          f" | {fmt(sum(cached)) if cached else '–'} |")
     return lines
 
@@ -68,13 +69,15 @@ def spec_table(size: dict) -> list[str]:
         return []
     names = sorted(get(size, "runners", runners[0], "spec"), key=int)
     e0 = get(size, "runners", runners[0], "spec", names[0])
-    files = get(size, "meta", "code_files") or get(size, "speed_meta", "code_files") or []
+    meta = size.get("speed_meta") or size.get("meta") or {}
+    files = meta.get("code_files") or []
+    prompt = meta.get("code_prompt_tokens", "their first")
     n_files = len(files) or "?"
     per = e0["tokens"] // n_files if isinstance(n_files, int) else "?"
     lines = ["", f"Speculation: greedy continuation of {n_files} held-out standard-library "
-             f"files ({per} new tokens each after their first tokens as the prompt), batch "
-             f"1 and 8; tok/s of the decode (after each call's first token) and of the whole "
-             f"calls; acceptance = accepted / drafted tokens; 'same tokens' compares each "
+             f"files ({per} new tokens each after {prompt} tokens of each file as the "
+             f"prompt), batch 1 and 8; tok/s of the decode (after each call's first token) "
+             f"and of the whole calls; acceptance = accepted / drafted tokens; 'same tokens' compares each "
              f"runner's greedy output with the engine's without speculation:", "",
              "| runner | " + " | ".join(f"batch {b} decode tok/s | batch {b} whole" for b in names)
              + " | acceptance | same tokens |", "|---|" + "---|---|" * len(names) + "---|---|"]

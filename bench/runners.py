@@ -106,6 +106,9 @@ class Worker:
                        "rss_before_load_mb": rss0}
         if getattr(self.r, "lm", None) is not None:  # kvserve's runners: which runtime
             self.loaded["runtime"] = self.r.lm.kind
+        for k in ("prefix_cache_mb", "speculative_tokens", "quant"):  # (engine_on, llamacpp)
+            if k in spec:
+                self.loaded[k] = spec[k]
         self.loaded["has"] = {"steps": self.r.has_steps, "stream": self.r.has_stream,
                               "score": self.r.has_score}
         self._scored = False
@@ -161,7 +164,8 @@ class Worker:
         return speed_cells.chat(self.r, self.vocab, turns, first, user, reply,
                                 next(self._serials))
 
-    def spec(self, prompts: list[list[int]], batch: int, n: int, min_total: float) -> dict:
+    def speculation(self, prompts: list[list[int]], batch: int, n: int, min_total: float
+                    ) -> dict:
         return speed_cells.best_spec(self.r, prompts, batch, n, min_total)
 
     def finish(self) -> dict:

@@ -197,11 +197,12 @@ def targets(results: dict[str, dict]) -> list[dict]:
     from .targets_speed import speed_targets
 
     out = []
-    for key in ("bench-6m", "bench-100m", "trained"):
+    for key in ("bench-6m", "bench-100m", "trained", "bench-6m+llamacpp",
+                "bench-100m+llamacpp"):
         size = results.get(key)
         if size is None:
             continue
-        if key == "trained":  # speculation on held-out code only
+        if key == "trained" or key.endswith("+llamacpp"):  # (speed_targets: all they have)
             out += speed_targets(key, size)
             continue
         out += _engine_vs_genai(key, size)

@@ -54,13 +54,16 @@ def code_prompts(tokenizer_json: Path, files: list[Path], n: int = N_FILES,
     many again to continue into): (prompts, file names)."""
     from tokenizers import Tokenizer
 
+    from kvserve.model.corpus import stdlib_root
+
+    root = stdlib_root()
     tok = Tokenizer.from_file(str(tokenizer_json))
     prompts, names = [], []
     for f in files:
         ids = tok.encode(f.read_text(encoding="utf-8")).ids
         if len(ids) >= 2 * length:
             prompts.append(ids[:length])
-            names.append(f.name)
+            names.append(str(f.relative_to(root)) if f.is_relative_to(root) else f.name)
         if len(prompts) == n:
             break
     if len(prompts) < n:

@@ -104,13 +104,14 @@ def test_plan_and_cells_of_the_speed_features():
     assert p["engine"]["decode"] and p["engine"]["prefix"] == [[1000, 16]]
     assert "prefix_cache_mb" not in p["engine"]  # the baseline: both features off
     trained = plan("trained", quick=False, repeats=None)
-    assert set(trained) == {"engine", "engine_on", "genai"}
+    assert set(trained) - {"llamacpp"} == {"engine", "engine_on", "genai"}
     assert all(set(v) >= {"spec"} and "prefix" not in v for v in trained.values())
     assert speed_plan("small", False, 3) == {}
     prompts = [[1, 2, 3]] * 20
     has = {r: {"steps": False, "stream": False, "score": False} for r in trained}
     cells = cells_of(trained, has, prompts)
     assert [c.key for c in cells] == [("spec", 1), ("spec", 8)]
+    assert cells[0].op == "speculation"  # (a Worker method; its plan is Worker.spec)
     assert len(cells[0].args["prompts"]) == trained["engine"]["spec"]["files"]
     assert sorted(cells[0].who) == sorted(trained)
     assert cells_of(trained, has, None) == []  # no prompts: no spec cell
@@ -176,3 +177,136 @@ def test_hf_copy_of_a_checkpoint_has_the_same_logits(artifact, tmp_path):
     a, b = load_model(ckpt).state_dict(), back.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _speed_size(off_ms, on_ms, chat_off, chat_on, spec_off, spec_on, genai=None):
+    def runner(prefix_ms, chat_ttft, spec_b1, acc=None):
+        sp = {str(b): {"decode_tok_s": v * b ** 0.5, "tok_s": v, "tokens": 64, "drafted": 100,
+                       "accepted": None if acc is None else int(100 * acc),
+                       "acceptance": acc, "tokens_sha": "same",
+                       "turns_decode_tok_s": [v * b ** 0.5] * 3} for b, v in
+              ((1, spec_b1), (8, spec_b1))}
+        return {"prefix": {"1000+16": {"first_ms": 100.0, "second_ms": prefix_ms,
+                                       "cached_tokens": 992,
+                                       "turns_second_ms": [prefix_ms, prefix_ms * 1.1]}},
+                "chat": {"8": {"ttft_ms_sum": chat_ttft, "total_ms_sum": chat_ttft * 2,
+                               "ttft_ms": [chat_ttft / 8] * 8, "prompt_tokens": [256, 320],
+                               "cached_tokens": [0, 0 if acc is None else 272],
+                               "turns_ttft_ms_sum": [chat_ttft] * 3}},
+                "spec": sp}
+    g = genai or (off_ms, chat_off, spec_off)
+    return {"runners": {"engine": runner(off_ms, chat_off, spec_off),
+                        "engine_on": {**runner(on_ms, chat_on, spec_on, acc=0.5),
+                                      "prefix_cache_mb": 256, "speculative_tokens": 4},
+                        "genai": runner(*g)},
+            "meta": {"code_files": ["os.py", "stat.py"], "code_prompt_tokens": 384}}
+
+
+def test_speed_targets_met_missed_and_why():
+    from kvserve.bench.targets import targets
+
+    size = _speed_size(off_ms=500.0, on_ms=20.0, chat_off=2000.0, chat_on=300.0,
+                       spec_off=100.0, spec_on=180.0, genai=(600.0, 1800.0, 160.0))
+    ts = {t["target"]: t for t in targets({"trained": size, "bench-100m": size})}
+    pre = ts["bench-100m: prefix cache: second request's TTFT ≤ 0.1× uncached (1,000 shared + "
+             "16 tokens, batch 1)"]
+    assert pre["ratio"] == pytest.approx(0.04) and pre["status"] == "met"
+    chat = ts["bench-100m: chat replay (8 turns, whole history each turn): total TTFT ≥ 5× "
+              "lower than without the cache"]
+    assert chat["ratio"] == pytest.approx(2000 / 300) and chat["met"]
+    g = ts["bench-100m: chat replay (8 turns, whole history each turn): total TTFT ≥ 5× lower "
+           "than onnxruntime-genai"]
+    assert g["ratio"] == pytest.approx(6.0) and g["met"]
+    b1 = ts["trained: speculation ≥ 1.5× speculation off, batch 1 (held-out code, decode "
+            "tok/s)"]
+    assert b1["ratio"] == pytest.approx(1.8) and b1["met"]
+    vs_g = ts["trained: speculation ≥ 1.3× onnxruntime-genai, batch 1 (held-out code, decode "
+              "tok/s)"]
+    assert vs_g["ratio"] == pytest.approx(180 / 160) and vs_g["status"] == "missed by 13%"
+    assert "50% of the drafted tokens were accepted" in vs_g["why"]
+    b8 = ts["trained: speculation never below speculation off, batch 8 (held-out code, decode "
+            "tok/s)"]
+    assert b8["met"]
+    # random-init sizes: batch 1 is a figure, batch 8 a target; no llama.cpp without results
+    assert not any("100m: speculation ≥ 1.5×" in k for k in ts)
+    assert "bench-100m: speculation never below speculation off, batch 8 (held-out code, " \
+           "decode tok/s)" in ts
+    assert not any("llama.cpp" in k for k in ts)
+
+
+def test_llamacpp_targets_pair_each_precision():
+    from kvserve.bench.targets import targets
+
+    def dec(v):
+        return {"1x128": {"tok_s": v, "turns_tok_s": [v, v]},
+                "8x128": {"tok_s": 4 * v, "turns_tok_s": [4 * v, 4 * v]}}
+    size = {"runners": {"engine": {"decode": dec(100)}, "llamacpp": {"decode": dec(80)},
+                        "engine_int8": {"decode": dec(200)},
+                        "llamacpp_q8": {"decode": dec(250)}}}
+    ts = {t["name"]: t for t in targets({"bench-100m+llamacpp": size})}
+    assert ts["kvserve fp32 ≥ 1.0× llama.cpp f32, batch 1 (128 new tokens)"]["ratio"] == 1.25
+    q8 = ts["kvserve int8 ≥ 1.0× llama.cpp q8_0, batch 8 (128 new tokens)"]
+    assert q8["ratio"] == pytest.approx(0.8) and q8["status"] == "missed by 20%"
+    assert not any("int4" in n for n in ts)  # no q4_0 results: no int4 target
+
+
+def test_speed_tables_render(tmp_path):
+    from kvserve.bench.report_speed import prefix_chat_tables, spec_table
+
+    size = _speed_size(500.0, 20.0, 2000.0, 300.0, 100.0, 180.0)
+    lines = "\n".join(prefix_chat_tables(size) + spec_table(size))
+    assert "| kvserve engine, server defaults (prefix cache 256 MB, speculation K ≤ 4) | " \
+           "100.0 | 20.0 | 992 |" in lines
+    assert "| kvserve engine, prefix cache and speculation off | 2,000 | 4,000 | 250.0 | 0 |" \
+        in lines
+    assert "after 384 tokens of each file" in lines and "`os.py`" in lines
+    assert "50% (b1), 50% (b8) | yes/yes |" in lines
+
+
+def test_llamacpp_only_plan_pairs_the_same_cells():
+    from kvserve.bench.main import llamacpp_installed, llamacpp_only_plan
+
+    p = llamacpp_only_plan("bench-100m", quick=False, rep=2)
+    if not llamacpp_installed():
+        assert p == {}
+        return
+    assert set(p) == {"engine", "engine_int8", "engine_int4", "llamacpp", "llamacpp_q8",
+                      "llamacpp_q4"}
+    assert all(v["decode"] == [[1, 128], [8, 128]] for v in p.values())
+    assert {p[k]["quant"] for k in p if k.startswith("llamacpp")} == {"f32", "q8_0", "q4_0"}
+    assert runner_spec("llamacpp_q4", p["llamacpp_q4"], {})["runner"] == "llamacpp"
+
+
+def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
+    """The tiny model's weights through the sdist's convert_hf_to_gguf.py (f32) and q8_0
+    quantization; llama.cpp's greedy tokens equal kvserve's raw loop's at batch 1 and 2, with
+    a prefill longer than one llama_decode chunk. Needs llama-cpp-python and its sdist's
+    converter (KVSERVE_LLAMACPP_SRC, or one fetched into the bench cache)."""
+    import os
+
+    pytest.importorskip("llama_cpp")
+    from kvserve.bench.common import CACHE
+    from kvserve.bench.gguf_convert import SRC_ENV, gguf_files
+    from kvserve.bench.runner_base import prompts_for
+    from kvserve.bench.runner_kvserve import LoopRunner
+    from kvserve.bench.runner_llamacpp import N_BATCH, LlamaCppRunner
+
+    assert 3 * 200 > N_BATCH
+    from kvserve.bench.trained import to_hf
+
+    if not os.environ.get(SRC_ENV) and not (CACHE / "llamacpp-src").is_dir():
+        pytest.skip(f"no llama-cpp-python source distribution ({SRC_ENV})")
+    hf = to_hf(Path(artifact.dir).parent / "ckpt", tmp_path / "hf")
+    files = gguf_files(hf, tmp_path / "gguf", CACHE, ("f32", "q8_0"))
+    assert files["q8_0"].stat().st_size < files["f32"].stat().st_size
+    ll = LlamaCppRunner(str(files["f32"]), 2)
+    loop = LoopRunner(str(artifact.dir), 2)
+    try:
+        vocab = artifact.cfg.vocab_size
+        for B, P in ((1, 12), (3, 200)):  # 3 × 200 rows: more than one chunk
+            prompts = prompts_for(B, P, vocab)
+            assert np.array_equal(ll.generate(prompts, 8), loop.generate(prompts, 8))
+        toks, first, total = ll.timed(prompts_for(1, 12, vocab), 4)
+        assert toks.shape == (1, 4) and 0 < first <= total
+    finally:
+        ll.close()
