@@ -155,14 +155,14 @@ def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
              if runners[r].get("error")]
     if errs:
         lines += ["", "Failed runners: " + "; ".join(errs)]
-    lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / p99 "
-              "(batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
-              "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
-              "step@1000 |", "|---|---|---|---|---|---|---|---|"]
-    for r in names:
+    timed = [r for r in names if runners[r].get("ttft_ms") or runners[r].get("itl_ms")]
+    if timed:
+        lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / "
+                  "p99 (batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
+                  "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
+                  "step@1000 |", "|---|---|---|---|---|---|---|---|"]
+    for r in timed:
         v = runners[r]
-        if not v.get("ttft_ms") and not v.get("itl_ms"):
-            continue
         t, i, s = v.get("ttft_ms", {}), v.get("itl_ms", {}), v.get("step_ms", {})
         lines.append(f"| {RUNNER_LABELS.get(r, r)} | {fmt(t.get('32'), 2)} | "
                      f"{fmt(t.get('512'), 1)} | {fmt(i.get('p50'), 2)} | "

@@ -43,8 +43,8 @@ def prefix_chat_tables(size: dict) -> list[str]:
         e0 = get(size, "runners", chat[0], "chat", name)
         lens = e0.get("prompt_tokens") or []
         lines += ["", f"Chat replay ({name} turns, each request sending the whole history: "
-                  f"prompts of {'/'.join(map(str, lens))} tokens, {_reply(lens)} generated "
-                  f"per turn), batch 1, ms summed over the turns (best conversation); a new "
+                  f"prompts of {'/'.join(map(str, lens))} tokens: {_reply(lens)}), batch 1, "
+                  f"ms summed over the turns (best conversation); a new "
                   f"conversation each repetition:", "",
                   "| runner | sum of TTFT | sum of total time | TTFT of the last turn | "
                   "prompt tokens restored |", "|---|---|---|---|---|"]
@@ -59,8 +59,8 @@ def prefix_chat_tables(size: dict) -> list[str]:
 
 
 def _reply(lens: list[int]) -> str:
-    return "the rest" if len(lens) < 2 else "replies + user turns of " \
-        f"{lens[1] - lens[0]} tokens together"
+    return "one turn" if len(lens) < 2 else "each adds the runner's own reply to the previous " \
+        f"one and a new user turn, {lens[1] - lens[0]} tokens together"
 
 
 def spec_table(size: dict) -> list[str]:
