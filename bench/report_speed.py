@@ -76,9 +76,10 @@ def spec_table(size: dict) -> list[str]:
     per = e0["tokens"] // n_files if isinstance(n_files, int) else "?"
     lines = ["", f"Speculation: greedy continuation of {n_files} held-out standard-library "
              f"files ({per} new tokens each after {prompt} tokens of each file as the "
-             f"prompt), batch 1 and 8; tok/s of the decode (after each call's first token) "
-             f"and of the whole calls; acceptance = accepted / drafted tokens; 'same tokens' compares each "
-             f"runner's greedy output with the engine's without speculation:", "",
+             f"prompt), batch 1 and 8; tok/s of the decode (after every row's first token) "
+             f"and of the whole calls; acceptance = accepted / drafted tokens; 'same tokens' "
+             f"compares each runner's greedy output with the engine's without speculation:",
+             "",
              "| runner | " + " | ".join(f"batch {b} decode tok/s | batch {b} whole" for b in names)
              + " | acceptance | same tokens |", "|---|" + "---|---|" * len(names) + "---|---|"]
     ref = {b: speed(size, "engine", "spec", b, "tokens_sha") for b in names}

@@ -42,8 +42,8 @@ class Runner:
     counters: dict = {}  # a runner's own counts over its last ``timed`` call
 
     def timed(self, prompts: np.ndarray, n: int) -> tuple[np.ndarray, float | None, float]:
-        """(greedy tokens (B, n), seconds to row 0's first token (None: not observable),
-        seconds of the whole call). Prompts may be a list of equal-length rows."""
+        """(greedy tokens (B, n), seconds until every row had its first token (the prefill;
+        None: not observable), seconds of the whole call)."""
         t0 = time.perf_counter()
         out = self.generate(np.asarray(prompts, np.int64), n)
         return out, None, time.perf_counter() - t0

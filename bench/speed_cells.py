@@ -10,10 +10,10 @@ best turn (and its turns by round, which the targets pair).
           previous prompt, the runner's own greedy reply, a new user turn): per turn the time
           to first token and to the last token. A fresh conversation every repetition.
   spec    continuing fixed prompts (held-out code) ``n`` greedy tokens, ``batch`` at a time:
-          tok/s over the whole calls and over the decode alone (after each call's first
-          token: the prompts' prefill, which a prefix cache would shorten on repeats, left
-          out), the drafted and accepted tokens, and a hash of the tokens (exactness: the same
-          with speculation on and off).
+          tok/s over the whole calls and over the decode alone (after every row of a call
+          had its first token: the prompts' prefill, which a prefix cache would shorten on
+          repeats, left out), the drafted and accepted tokens, and a hash of the tokens
+          (exactness: the same with speculation on and off).
 """
 from __future__ import annotations
 

@@ -102,10 +102,18 @@ def _spec(key: str, size: dict) -> list[dict]:
             if peer == "engine" and B == 1 and key != "trained":
                 continue  # random-init sizes: batch 1 is a figure, not a target
             word = "never below" if goal == 1.0 else f"≥ {goal}×"
+            notes = _spec_notes(size, B, key)
+            base = paired_speed(size, "engine", peer, "spec", name, "decode_tok_s")
+            if peer != "engine" and base is not None:
+                notes.append(f"without speculation the engine ran at {base:.2f}× {label} "
+                             f"here: the gain multiplies that")
+            if "step" in (size.get("label") or "") and "finished" not in size["label"]:
+                notes.append("the model is a checkpoint of an unfinished default run (its label "
+                             "says which step): its drafts' acceptance is its own")
             out.append(make_target(
                 key, f"speculation {word} {label}, batch {B} (held-out code, decode tok/s)",
                 paired_speed(size, "engine_on", peer, "spec", name, "decode_tok_s"), goal,
-                _spec_notes(size, B, key),
+                notes,
                 f"{fmt(on)} vs {fmt(speed(size, peer, 'spec', name, 'decode_tok_s'))} tok/s; "
                 f"{_acceptance(size, 'engine_on', B)}"))
     return out

@@ -81,6 +81,9 @@ def test_spec_cell_makes_the_same_tokens_with_speculation(engines):
         assert 0 <= a["accepted"] <= a["drafted"]
     best = S.best_spec(on, prompts, 2, 24, min_total=0.0)
     assert best["tokens_sha"] == a["tokens_sha"]
+    # the decode begins when every row has its first token (the engine's own clock)
+    toks, first, total = off.timed(np.asarray(prompts), 8)
+    assert toks.shape == (2, 8) and 0 < first <= total
 
 
 def test_best_turns_keeps_the_best_and_each_round():
