@@ -378,6 +378,9 @@ def merge_speed(old: dict, new: dict) -> dict:
                 cur[g] = v[g]
             else:
                 cur.pop(g, None)
+        for k in ("prefix_cache_mb", "speculative_tokens"):  # what the runner ran with
+            if k in v:
+                cur[k] = v[k]
         if v.get("error"):
             cur["speed_error"] = v["error"]
     out["speed_meta"] = new["meta"]

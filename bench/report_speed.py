@@ -14,8 +14,9 @@ LABELS = {"engine": "kvserve engine, prefix cache and speculation off",
 
 def _label(size: dict, r: str) -> str:
     v = get(size, "runners", r) or {}
-    return LABELS.get(r, r).format(mb=v.get("prefix_cache_mb", "?"),
-                                   k=v.get("speculative_tokens", "?"))
+    if r == "engine_on" and "prefix_cache_mb" not in v:  # (results merged before it was kept)
+        return "kvserve engine, server defaults (prefix cache and speculation on)"
+    return LABELS.get(r, r).format(mb=v.get("prefix_cache_mb"), k=v.get("speculative_tokens"))
 
 
 def _with(size: dict, group: str) -> list[str]:

@@ -130,12 +130,15 @@ def test_speed_only_results_merge_into_the_size():
     new = {"meta": {"date": "evening"},
            "runners": {"engine": {"prefix": {"1000+16": {"second_ms": 9}}, "load_seconds": 1},
                        "engine_on": {"prefix": {"1000+16": {"second_ms": 1}}}}}
+    old["runners"]["engine_on"] = {"prefix": {"1000+16": {"second_ms": 2}}}
+    new["runners"]["engine_on"]["prefix_cache_mb"] = 256
     out = merge_speed(old, new)
     assert out["meta"] == {"date": "morning"} and out["speed_meta"] == {"date": "evening"}
     eng = out["runners"]["engine"]
     assert eng["decode"] == {"1x128": {"tok_s": 30}}  # the earlier cells stay
     assert eng["prefix"] == {"1000+16": {"second_ms": 9}} and "spec" not in eng
     assert out["runners"]["engine_on"]["prefix"]["1000+16"]["second_ms"] == 1
+    assert out["runners"]["engine_on"]["prefix_cache_mb"] == 256
     assert out["runners"]["hf"] == {"score": {"tok_s": 5}}
     assert old["runners"]["engine"]["spec"] == {"1": "old"}  # (the input is not changed)
 
