@@ -356,6 +356,8 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     path = results_dir / f"{out['size']}.json"
     if args.speed_only and path.is_file():  # the new cells into the size's existing results
         out = merge_speed(json.loads(path.read_text()), out)
+    elif args.runners and path.is_file() and not args.llamacpp_only:
+        out = merge_runners(json.loads(path.read_text()), out)
     path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     return out
 
@@ -384,6 +386,21 @@ def merge_speed(old: dict, new: dict) -> dict:
         if v.get("error"):
             cur["speed_error"] = v["error"]
     out["speed_meta"] = new["meta"]
+    return out
+
+
+def merge_runners(old: dict, new: dict) -> dict:
+    """A ``--runners`` run merged into a size's earlier results: the runners it measured
+    replace theirs (their cells measured together in this run), except the speed cells the
+    results already have (measured with ``engine_on`` in a ``--speed-only`` run: their turns
+    pair with its); the other runners and the earlier meta stay; the run's own meta goes to
+    ``runners_meta`` (by runner)."""
+    out = json.loads(json.dumps(old))
+    for r, v in new.get("runners", {}).items():
+        keep = {g: out["runners"][r][g] for g in SPEED_GROUPS
+                if g in out.get("runners", {}).get(r, {})}
+        out.setdefault("runners", {})[r] = {**v, **keep}
+        out.setdefault("runners_meta", {})[r] = new["meta"]
     return out
 
 

@@ -129,13 +129,25 @@ def _size_tables(key: str, size: dict) -> list[str]:
 
 
 def _speed_meta(size: dict) -> list[str]:
+    """Which figures of a size came from later runs merged into its results."""
+    out = []
+    by_run: dict[str, list[str]] = {}
+    for r, m in (size.get("runners_meta") or {}).items():
+        by_run.setdefault(m.get("date"), []).append(r)
+    for date, names in by_run.items():
+        m = size["runners_meta"][names[0]]
+        out += ["", f"The rows of {', '.join(names)} above were measured by a later "
+                f"`kvserve bench --runners {','.join(names)}` run ({date}, 1-minute load average "
+                f"{fmt(m.get('load_before'), 2)} → {fmt(m.get('load_after'), 2)}, best of "
+                f"{m.get('rounds')} turns; the gRPC server with its defaults, prefix cache and "
+                f"speculation on)."]
     m = size.get("speed_meta")
-    if not m:
-        return []
-    return ["", f"The prefix cache's and speculation's cells below were measured by a later "
-            f"`kvserve bench --speed-only` run ({m.get('date')}, 1-minute load average "
-            f"{fmt(m.get('load_before'), 2)} → {fmt(m.get('load_after'), 2)}, best of "
-            f"{m.get('rounds')} turns)."]
+    if m:
+        out += ["", f"The prefix cache's and speculation's cells below were measured by a later "
+                f"`kvserve bench --speed-only` run ({m.get('date')}, 1-minute load average "
+                f"{fmt(m.get('load_before'), 2)} → {fmt(m.get('load_after'), 2)}, best of "
+                f"{m.get('rounds')} turns)."]
+    return out
 
 
 def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:

@@ -143,6 +143,23 @@ def test_speed_only_results_merge_into_the_size():
     assert old["runners"]["engine"]["spec"] == {"1": "old"}  # (the input is not changed)
 
 
+def test_runner_subset_results_merge_into_the_size():
+    from kvserve.bench.main import merge_runners
+
+    old = {"meta": {"date": "morning"},
+           "runners": {"grpc": {"decode": {"1x128": 1}, "error": "old"},
+                       "genai": {"decode": {"1x128": 2}, "spec": {"1": "kept"}},
+                       "hf": {"score": 3}}}
+    new = {"meta": {"date": "evening"},
+           "runners": {"grpc": {"decode": {"1x128": 10}},
+                       "genai": {"decode": {"1x128": 20}, "spec": {"1": "new"}}}}
+    out = merge_runners(old, new)
+    assert out["runners"]["grpc"] == {"decode": {"1x128": 10}}  # replaced whole
+    assert out["runners"]["genai"] == {"decode": {"1x128": 20}, "spec": {"1": "kept"}}
+    assert out["runners"]["hf"] == {"score": 3} and out["meta"] == {"date": "morning"}
+    assert out["runners_meta"]["grpc"] == {"date": "evening"}
+
+
 def test_held_out_files_are_the_trainers_validation_documents(tmp_path):
     from kvserve.bench.trained import code_prompts, held_out_files
     from kvserve.model import data as D
