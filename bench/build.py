@@ -8,6 +8,8 @@ Per size, under ``<cache>/<name>/``:
   ckpt/       ``kvserve import-hf hf/``
   fp32/       ``export_artifacts(ckpt, precision="fp32")`` (prefill + decode graphs)
   int8/       ``export_artifacts(ckpt, precision="int8")`` (sizes that ask for it)
+  int4/       ``export_artifacts(ckpt, precision="int4")`` (when the llama.cpp peer's q4_0 runs)
+  gguf/       llama.cpp's copies of hf/ (``bench/gguf_convert.py``; when llama.cpp runs)
   genai/      ``python -m onnxruntime_genai.models.builder -i hf -o genai -p fp32 -e cpu``
 Every step writes into a temporary directory and renames it into place, so a directory that
 exists is complete and a rerun skips it.
@@ -82,6 +84,7 @@ class Built:
     int8: Path | None
     genai: Path | None
     build_seconds: dict = field(default_factory=dict)
+    int4: Path | None = None
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ def set_genai_threads(genai_dir: Path, threads: int) -> None:
 
 
 def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = None,
-          threads: int = 2) -> Built:
+          int4: bool = False, threads: int = 2) -> Built:
     size = sizes()[name]
     root = cache / "models" / name
     root.mkdir(parents=True, exist_ok=True)
@@ -248,5 +251,6 @@ def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = Non
     want_int8 = size.int8 if int8 is None else int8
     q = step("int8", build_artifacts, ckpt, root / "int8", "int8", threads) if want_int8 \
         else None
+    q4 = step("int4", build_artifacts, ckpt, root / "int4", "int4", threads) if int4 else None
     g = step("genai", build_genai, hf, root / "genai", threads) if genai else None
-    return Built(size, root, hf, ckpt, fp32, q, g, secs)
+    return Built(size, root, hf, ckpt, fp32, q, g, secs, q4)

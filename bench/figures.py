@@ -90,3 +90,22 @@ def step_floor(size: dict, batch: int, step16_ms: float | None) -> dict | None:
     ms = extra / (gbps * 1e9) * 1e3
     return {"extra_mb": extra / 1e6, "gbps": gbps, "extra_ms": ms,
             "ratio": (step16_ms + ms) / step16_ms}
+
+
+# --- the prefix cache's and speculation's cells (bench/speed_cells.py) -------------------------
+def speed(size: dict, runner: str, group: str, name: str, field: str):
+    """A runner's best figure at a speed cell, e.g. (engine_on, prefix, 1000+16, second_ms)."""
+    return get(size, "runners", runner, group, name, field)
+
+
+def paired_speed(size: dict, a: str, b: str, group: str, name: str, field: str
+                 ) -> float | None:
+    """a's figure over b's at a speed cell: the median over rounds of their turns' ratio
+    (``turns_<field>``), or the ratio of their best figures where there are no turns."""
+    ta = speed(size, a, group, name, f"turns_{field}") or []
+    tb = speed(size, b, group, name, f"turns_{field}") or []
+    pairs = sorted(x / y for x, y in zip(ta, tb) if x and y)
+    if not pairs:
+        return ratio(speed(size, a, group, name, field), speed(size, b, group, name, field))
+    mid = len(pairs) // 2
+    return pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2

@@ -42,11 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="6M model only, fewer tokens (development)")
     parser.add_argument("--sizes", default=None,
-                        help="comma-separated: bench-6m,bench-100m,small (default: all; "
-                             "--quick: bench-6m)")
+                        help="comma-separated: bench-6m,bench-100m,small,trained (default: "
+                             "all; --quick: bench-6m; trained: the default trained model, "
+                             "speculation on held-out code, trained once into --cache)")
     parser.add_argument("--runners", default=None,
-                        help="comma-separated subset: engine,loop,engine_int8,genai,torch,hf,"
-                             "grpc")
+                        help="comma-separated subset: engine,engine_on,loop,engine_int8,"
+                             "engine_int4,genai,torch,hf,grpc,llamacpp,llamacpp_q8,llamacpp_q4")
     parser.add_argument("--results", default=None, metavar="DIR",
                         help="where the results JSON and tables.md go (default: a new "
                              "directory .bench/results/<UTC time>[-quick] under --cache); with "
@@ -76,6 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "other processes use less than CORES cores (0 = do not wait); "
                              "the 1-minute load average is recorded either way")
     parser.add_argument("--wait-max", type=float, default=900.0)
+    parser.add_argument("--speed-only", action="store_true",
+                        help="only the prefix cache's and speculation's cells (shared prefix, "
+                             "chat replay, speculation); merged into the size's results JSON "
+                             "when the results directory has one")
+    parser.add_argument("--llamacpp-only", action="store_true",
+                        help="only llama.cpp (llama-cpp-python) against the engine at the same "
+                             "cells and precisions; written as <size>+llamacpp.json")
+    parser.add_argument("--trained-ckpt", default=None, metavar="DIR",
+                        help="the trained size: this checkpoint of a default `kvserve train` "
+                             "run (e.g. an unfinished run's last save) instead of training one "
+                             "(the results label says its step)")
     parser.add_argument("--profile", action="store_true",
                         help="only profile the decode loop (writes profile.md)")
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu",
@@ -85,11 +97,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- the plan ----------------------------------------------------------------------------------
+def server_speedups() -> dict:
+    """``kvserve serve``'s defaults for the prefix cache and speculation (``engine_on``)."""
+    from kvserve.server.config import ServerConfig
+
+    c = ServerConfig()
+    return {"prefix_cache_mb": c.prefix_cache_mb, "speculative_tokens": c.speculative_tokens}
+
+
+def speed_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
+    """The prefix cache's and speculation's cells (``bench/speed_cells.py``): the engine with
+    both off (``engine``, merged into its entry), with the server's defaults (``engine_on``),
+    onnxruntime-genai re-prefilling (``genai``). ``trained``: speculation only, on the default
+    trained model continuing held-out code."""
+    chat = dict(turns=8, first=256, user=32, reply=32)
+    spec = dict(batches=[1, 8], n=128, files=16)
+    prefix = [[1000, 16]]
+    if quick:
+        chat, spec = dict(chat, turns=4), dict(spec, files=8, n=64)
+    elif size == "bench-100m":
+        spec = dict(spec, files=8, n=64)  # ~20 tok/s per stream here: fewer tokens
+    if size == "trained":
+        cells = {"spec": spec}
+    elif size in ("bench-6m", "bench-100m"):
+        cells = {"prefix": prefix, "chat": chat, "spec": spec}
+    else:
+        return {}
+    on = {"runner": "engine", **server_speedups(), **cells, "repeats": rep, "prompt_len": 32}
+    out = {"engine": dict(cells), "engine_on": on, "genai": dict(cells)}
+    if llamacpp_installed() and "spec" in cells:
+        out["llamacpp"] = {"spec": spec}
+    return out
+
+
+def llamacpp_only_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
+    """``--llamacpp-only``: llama.cpp's cells and kvserve's engine at the same cells and
+    precisions (fp32, and on 100M int8 / int4), nothing else."""
+    ll = llamacpp_plan(size, quick, rep)
+    if not ll:
+        return {}
+    cell = {k: v for k, v in ll["llamacpp"].items() if k != "quant"}
+    out = {"engine": dict(cell), **ll}
+    if "llamacpp_q8" in ll:
+        out["engine_int8"] = dict(cell, sample_tokens=False)
+    return out
+
+
+def llamacpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llamacpp_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
+    """llama.cpp's decode cells, batch 1 and 8 (its sequences in one context), on the same
+    weights as kvserve's fp32 (f32 GGUF) and, on 100M, int8 / int4 (q8_0 / q4_0)."""
+    if not llamacpp_installed() or size not in ("bench-6m", "bench-100m"):
+        return {}
+    n = 64 if quick else 128
+    cell = dict(prompt_len=32, repeats=rep, batches=[1, 8], decode=[[1, n], [8, n]],
+                sample_tokens=True)
+    out = {"llamacpp": dict(cell, quant="f32")}
+    if size == "bench-100m" and not quick:
+        out["llamacpp_q8"] = dict(cell, quant="q8_0", sample_tokens=False)
+        out["llamacpp_q4"] = dict(cell, quant="q4_0", sample_tokens=False)
+        out["engine_int4"] = dict(cell, sample_tokens=False)
+    return out
+
+
 def plan(size: str, quick: bool, repeats: int | None) -> dict[str, dict]:
     """runner -> what it measures (``repeats``: in how many rounds of turns it takes part).
     Expensive peers run fewer cells on the 100M model. The gRPC runner's batch of B is B
-    concurrent streams."""
+    concurrent streams (``kvserve serve``: the prefix cache and speculation at their
+    defaults)."""
     rep = repeats or ROUNDS
+    out = {**_base_plan(size, quick, rep), **llamacpp_plan(size, quick, rep)}
+    for name, cells in speed_plan(size, quick, rep).items():
+        out[name] = {**out.get(name, {"repeats": rep, "prompt_len": 32}), **cells}
+    return out
+
+
+def _base_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
+    if size == "trained":
+        return {}
     if quick:
         base = dict(prompt_len=32, repeats=rep, batches=[1, 8],
                     decode=[[1, 128], [8, 128], [16, 128]], ttft=[32, 512], itl=128,
@@ -175,30 +265,78 @@ def wait_for_quiet(threshold: float, max_seconds: float) -> float:
             time.sleep(5)
 
 
+def size_plan(name: str, args) -> dict[str, dict]:
+    """The plan of one size after ``--runners`` and ``--speed-only``."""
+    rep = args.repeats or ROUNDS
+    if args.speed_only:
+        pl = {k: {"repeats": rep, "prompt_len": 32, **v}
+              for k, v in speed_plan(name, args.quick, rep).items()}
+    elif args.llamacpp_only:
+        pl = llamacpp_only_plan(name, args.quick, rep)
+    else:
+        pl = plan(name, args.quick, args.repeats)
+    want = set(args.runners.split(",")) if args.runners else None
+    return {k: v for k, v in pl.items() if k in want} if want else pl
+
+
+def build_size(name: str, pl: dict, args):
+    from . import build as B
+
+    cache = Path(args.cache)
+    if name == "trained":
+        from .trained import build_trained
+
+        return build_trained(cache, genai="genai" in pl, threads=args.threads,
+                             ckpt=Path(args.trained_ckpt) if args.trained_ckpt else None)
+    return B.build(name, cache, genai="genai" in pl, int8="engine_int8" in pl,
+                   int4="engine_int4" in pl, threads=args.threads)
+
+
+def gguf_paths(built, pl: dict, cache: Path) -> dict[str, str] | None:
+    """The llama.cpp runners' GGUF files (made once per size; ``bench/gguf_convert.py``)."""
+    kinds = {v.get("quant", "f32") for k, v in pl.items() if k.startswith("llamacpp")}
+    if not kinds:
+        return None
+    from .gguf_convert import gguf_files
+
+    files = gguf_files(built.hf, built.root / "gguf", cache, sorted(kinds | {"f32"}))
+    return {k: str(v) for k, v in files.items()}
+
+
+def code_prompts(built, pl: dict) -> tuple[list[list[int]] | None, list[str]]:
+    """The speculation cell's prompts: held-out stdlib files in the model's tokenizer."""
+    files = max((v["spec"]["files"] for v in pl.values() if v.get("spec")), default=0)
+    if not files:
+        return None, []
+    from .trained import code_prompts as prompts_of, held_out_files
+
+    return prompts_of(built.fp32 / "tokenizer.json", held_out_files(), n=files)
+
+
 def run_size(name: str, args, results_dir: Path) -> dict:
     from . import build as B
-    from .roofline import (bandwidth_in_subprocess, decode_graph, decode_weight_bytes,
-                           peak_in_subprocess)
     from .turns import run_turns
 
     cache = Path(args.cache)
-    want = set(args.runners.split(",")) if args.runners else None
-    pl = plan(name, args.quick, args.repeats)
-    if want:
-        pl = {k: v for k, v in pl.items() if k in want}
-    built = B.build(name, cache, genai="genai" in pl, int8="engine_int8" in pl,
-                    threads=args.threads)
+    pl = size_plan(name, args)
+    built = build_size(name, pl, args)
     load_before = loadavg()
     out = {"size": name, "label": built.size.label, "runners": {},
            "meta": {"quick": args.quick, "date": _dt.datetime.now().isoformat(timespec="seconds"),
                     "machine": machine(), "versions": versions(), "seed": B.SEED,
                     "threads": args.threads, "load_before": load_before,
                     "build_seconds": built.build_seconds}}
+    prompts, files = code_prompts(built, pl)
+    if files:
+        out["meta"]["code_files"] = files
+        out["meta"]["code_prompt_tokens"] = len(prompts[0])
     paths = dict(artifact=str(built.fp32), ckpt=str(built.ckpt), hf=str(built.hf),
                  genai=str(built.genai) if built.genai else None,
                  int8_artifact=str(built.int8) if built.int8 else None,
                  vocab=built.size.vocab, threads=args.threads,
-                 workdir=str(cache / "tmp"))
+                 int4_artifact=str(built.int4) if built.int4 else None,
+                 workdir=str(cache / "tmp"), code_prompts=prompts,
+                 gguf=gguf_paths(built, pl, cache))
     rounds = args.repeats or ROUNDS
     out["meta"]["rounds"] = rounds
     busy = wait_for_quiet(args.wait_load, args.wait_max)
@@ -208,10 +346,71 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     out["runners"] = run_turns(pl, paths, rounds, cache / "tmp")
     out["meta"]["others_cores_before"] = busy
     out["meta"]["measure_seconds"] = round(time.perf_counter() - t0, 1)
-    # roofline: bytes per decode step vs read bandwidth
-    # measured per size, right after its runners; the roofline uses the best figure of the run
-    # (a busy neighbour only ever lowers it)
-    wait_for_quiet(args.wait_load, min(args.wait_max, 30))
+    if not (args.speed_only or args.llamacpp_only) and name != "trained":
+        wait_for_quiet(args.wait_load, min(args.wait_max, 30))
+        out["roofline"] = _roofline(built, pl, args, out)
+    out["meta"]["load_after"] = loadavg()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    if args.llamacpp_only:  # its own results: kvserve vs llama.cpp, measured together
+        out["size"], out["label"] = f"{name}+llamacpp", f"{out['label']}: kvserve vs llama.cpp"
+    path = results_dir / f"{out['size']}.json"
+    if args.speed_only and path.is_file():  # the new cells into the size's existing results
+        out = merge_speed(json.loads(path.read_text()), out)
+    elif args.runners and path.is_file() and not args.llamacpp_only:
+        out = merge_runners(json.loads(path.read_text()), out)
+    path.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    return out
+
+
+SPEED_GROUPS = ("prefix", "chat", "spec")
+
+
+def merge_speed(old: dict, new: dict) -> dict:
+    """A ``--speed-only`` run's cells merged into a size's earlier results: each runner's
+    prefix / chat / spec groups replaced, runners new to the file added, the run's own meta
+    kept apart (``speed_meta``); everything else (and its meta) as it was."""
+    out = json.loads(json.dumps(old))
+    for r, v in new.get("runners", {}).items():
+        cur = out.setdefault("runners", {}).setdefault(r, {})
+        if r not in old.get("runners", {}):
+            cur.update(v)
+            continue
+        for g in SPEED_GROUPS:
+            if g in v:
+                cur[g] = v[g]
+            else:
+                cur.pop(g, None)
+        for k in ("prefix_cache_mb", "speculative_tokens"):  # what the runner ran with
+            if k in v:
+                cur[k] = v[k]
+        if v.get("error"):
+            cur["speed_error"] = v["error"]
+    out["speed_meta"] = new["meta"]
+    return out
+
+
+def merge_runners(old: dict, new: dict) -> dict:
+    """A ``--runners`` run merged into a size's earlier results: the runners it measured
+    replace theirs (their cells measured together in this run), except the speed cells the
+    results already have (measured with ``engine_on`` in a ``--speed-only`` run: their turns
+    pair with its); the other runners and the earlier meta stay; the run's own meta goes to
+    ``runners_meta`` (by runner)."""
+    out = json.loads(json.dumps(old))
+    for r, v in new.get("runners", {}).items():
+        keep = {g: out["runners"][r][g] for g in SPEED_GROUPS
+                if g in out.get("runners", {}).get(r, {})}
+        out.setdefault("runners", {})[r] = {**v, **keep}
+        out.setdefault("runners_meta", {})[r] = new["meta"]
+    return out
+
+
+def _roofline(built, pl: dict, args, out: dict) -> dict:
+    """Bytes per decode step vs read bandwidth, and Score's compute roofline: measured per
+    size, right after its runners; the roofline uses the best bandwidth of the run (a busy
+    neighbour only ever lowers it)."""
+    from .roofline import (bandwidth_in_subprocess, decode_graph, decode_weight_bytes,
+                           peak_in_subprocess)
+
     bw = bandwidth_in_subprocess(128 if args.quick else 512, 3 if args.quick else 7,
                                  args.threads)
     global _BEST_BW
@@ -242,11 +441,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
                                   "relative_change": man.get("perplexity", {})
                                   .get("relative_change"),
                                   "eval_tokens": man.get("perplexity", {}).get("eval_tokens")}
-    out["roofline"] = rf
-    out["meta"]["load_after"] = loadavg()
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / f"{name}.json").write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
-    return out
+    return rf
 
 
 _BEST_BW: dict | None = None
@@ -313,7 +508,7 @@ def main(args: argparse.Namespace) -> int:
         return cuda_check(args.sizes or "bench-6m", Path(args.cache), args.threads,
                           out / "cuda.json")
     sizes = args.sizes.split(",") if args.sizes else \
-        (["bench-6m"] if args.quick else ["bench-6m", "bench-100m", "small"])
+        (["bench-6m"] if args.quick else ["bench-6m", "bench-100m", "small", "trained"])
     t0 = time.perf_counter()
     log.info("load average before: %.2f", loadavg())
     if loadavg() >= 1.0 and not args.quick:

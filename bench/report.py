@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 from .figures import decode_columns, fmt, get, paired, per_round, ratio, score_roofline, tok_s
+from .report_speed import prefix_chat_tables, spec_table
 from .targets import grid, targets
 
 __all__ = ["START", "END", "render", "update_doc", "load_results", "targets", "paired",
@@ -24,11 +25,17 @@ RUNNER_LABELS = {
     "engine": "kvserve engine (in-process, server/engine.py)",
     "loop": "kvserve raw loop (artifact runner + KV cache, argmax)",
     "engine_int8": "kvserve engine, int8 artifact",
+    "engine_int4": "kvserve engine, int4 artifact",
+    "engine_on": "kvserve engine, prefix cache and speculation on (server defaults)",
+    "llamacpp": "llama.cpp (llama-cpp-python 0.3.36, f32 GGUF)",
+    "llamacpp_q8": "llama.cpp, q8_0 GGUF",
+    "llamacpp_q4": "llama.cpp, q4_0 GGUF",
     "genai": "onnxruntime-genai 0.18 (Generator)",
     "torch": "kvserve torch eager (model/generate.py)",
     "hf": "transformers eager (LlamaForCausalLM.generate)",
 }
-ORDER = ["engine", "loop", "engine_int8", "genai", "torch", "hf"]
+ORDER = ["engine", "loop", "engine_int8", "engine_int4", "genai", "llamacpp", "llamacpp_q8",
+         "llamacpp_q4", "torch", "hf"]
 
 
 def _wrap(lines: list[str]) -> list[str]:
@@ -113,9 +120,40 @@ def _agree(results: dict) -> str:
 
 
 def _size_tables(key: str, size: dict) -> list[str]:
-    runners = size.get("runners", {})
-    names = [r for r in ORDER if r in runners]
     cols = decode_columns(size)
+    if not cols:  # (the trained model's results: speculation only)
+        return [f"### {size.get('label', key)}", *_speed_meta(size), *prefix_chat_tables(size),
+                *spec_table(size), ""]
+    return _decode_tables(key, size, cols) + _speed_meta(size) + prefix_chat_tables(size) \
+        + spec_table(size) + [""]
+
+
+def _speed_meta(size: dict) -> list[str]:
+    """Which figures of a size came from later runs merged into its results."""
+    out = []
+    by_run: dict[str, list[str]] = {}
+    for r, m in (size.get("runners_meta") or {}).items():
+        by_run.setdefault(m.get("date"), []).append(r)
+    for date, names in by_run.items():
+        m = size["runners_meta"][names[0]]
+        out += ["", f"The rows of {', '.join(names)} above were measured by a later "
+                f"`kvserve bench --runners {','.join(names)}` run ({date}, 1-minute load average "
+                f"{fmt(m.get('load_before'), 2)} → {fmt(m.get('load_after'), 2)}, best of "
+                f"{m.get('rounds')} turns; the gRPC server with its defaults, prefix cache and "
+                f"speculation on)."]
+    m = size.get("speed_meta")
+    if m:
+        out += ["", f"The prefix cache's and speculation's cells below were measured by a later "
+                f"`kvserve bench --speed-only` run ({m.get('date')}, 1-minute load average "
+                f"{fmt(m.get('load_before'), 2)} → {fmt(m.get('load_after'), 2)}, best of "
+                f"{m.get('rounds')} turns)."]
+    return out
+
+
+def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
+    runners = size.get("runners", {})
+    # (engine_on runs only the speed cells: no row here)
+    names = [r for r in ORDER if r in runners and (r != "engine_on" or runners[r].get("decode"))]
     lines = [f"### {size.get('label', key)}", "",
              "Decode tok/s (batch × new tokens):", "",
              "| runner | " + " | ".join(cols) + " | peak RSS MB |",
@@ -129,14 +167,14 @@ def _size_tables(key: str, size: dict) -> list[str]:
              if runners[r].get("error")]
     if errs:
         lines += ["", "Failed runners: " + "; ".join(errs)]
-    lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / p99 "
-              "(batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
-              "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
-              "step@1000 |", "|---|---|---|---|---|---|---|---|"]
-    for r in names:
+    timed = [r for r in names if runners[r].get("ttft_ms") or runners[r].get("itl_ms")]
+    if timed:
+        lines += ["", "Latency (ms): time to first token (prompt 32 / 512), inter-token p50 / "
+                  "p99 (batch 1, 128 tokens), decode step at position 16 / 256 / 1000:", "",
+                  "| runner | TTFT 32 | TTFT 512 | ITL p50 | ITL p99 | step@16 | step@256 | "
+                  "step@1000 |", "|---|---|---|---|---|---|---|---|"]
+    for r in timed:
         v = runners[r]
-        if not v.get("ttft_ms") and not v.get("itl_ms"):
-            continue
         t, i, s = v.get("ttft_ms", {}), v.get("itl_ms", {}), v.get("step_ms", {})
         lines.append(f"| {RUNNER_LABELS.get(r, r)} | {fmt(t.get('32'), 2)} | "
                      f"{fmt(t.get('512'), 1)} | {fmt(i.get('p50'), 2)} | "
@@ -197,7 +235,6 @@ def _size_tables(key: str, size: dict) -> list[str]:
                   f"{fmt(p.get('fp32'), 1)} → int8 {fmt(p.get('int8'), 1)} "
                   f"({p.get('relative_change', 0):+.2%}); random-init weights, so both sit "
                   f"near the vocabulary size."]
-    lines.append("")
     return lines
 
 
@@ -217,6 +254,7 @@ def load_results(results_dir: Path) -> dict[str, dict]:
         d = json.loads(p.read_text())
         if isinstance(d, dict) and "runners" in d:
             out[d.get("size", p.stem)] = d
-    order = ["bench-6m", "bench-100m", "small"]
+    order = ["bench-6m", "bench-100m", "small", "trained", "bench-6m+llamacpp",
+             "bench-100m+llamacpp"]
     return dict(sorted(out.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order
                        else len(order)))

@@ -3,6 +3,7 @@ what each operation measures), the fixed prompts, this process's RSS."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import numpy as np
 
@@ -37,6 +38,15 @@ class Runner:
 
     def stream(self, prompt: np.ndarray, n: int) -> list[float]:
         raise NotImplementedError
+
+    counters: dict = {}  # a runner's own counts over its last ``timed`` call
+
+    def timed(self, prompts: np.ndarray, n: int) -> tuple[np.ndarray, float | None, float]:
+        """(greedy tokens (B, n), seconds until every row had its first token (the prefill;
+        None: not observable), seconds of the whole call)."""
+        t0 = time.perf_counter()
+        out = self.generate(np.asarray(prompts, np.int64), n)
+        return out, None, time.perf_counter() - t0
 
     def walker(self, position: int, steps: int, batch: int = 1):
         """A sequence of ``batch`` rows at ``position`` with room for ``steps`` more tokens;

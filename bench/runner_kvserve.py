@@ -71,6 +71,9 @@ class RecordingMetrics:
     def __init__(self):
         self.gaps: list[float] = []
         self.steps: list[tuple[int, float]] = []
+        # prompt tokens restored from the prefix cache; draft tokens verified and accepted
+        self.cached_tokens = self.drafted = self.accepted = 0
+        self.last_first = 0.0
 
     def queue_depth(self, n): ...
     def running(self, n): ...
@@ -80,18 +83,30 @@ class RecordingMetrics:
     def token(self, first, seconds):
         if not first:
             self.gaps.append(seconds)
+        else:  # (when the last sequence of a batch got its first token: its decode begins)
+            self.last_first = time.perf_counter()
 
     def step(self, batch, seconds):
         self.steps.append((batch, seconds))
 
+    def prefix_hit(self, tokens):
+        self.cached_tokens += tokens
+
+    def speculated(self, drafted, accepted):
+        self.drafted += drafted
+        self.accepted += accepted
+
 
 class EngineRunner(Runner):
-    """The real continuous-batching engine, in-process."""
+    """The real continuous-batching engine, in-process. ``prefix_cache_mb`` and
+    ``speculative_tokens`` as ``kvserve serve``'s flags (0: off, the Engine's own default;
+    ``engine_on`` in the plan runs the server's defaults)."""
     name = "engine"
     has_score = True
     has_stream = True
 
-    def __init__(self, artifact: str, threads: int, max_batch: int = 16):
+    def __init__(self, artifact: str, threads: int, max_batch: int = 16,
+                 prefix_cache_mb: int = 0, speculative_tokens: int = 0):
         from tokenizers import Tokenizer as HFTokenizer
 
         from kvserve.artifact.loader import load_lm
@@ -109,7 +124,9 @@ class EngineRunner(Runner):
                              stream_interval=c.stream_interval_ms / 1000,
                              stream_interval_max=c.stream_interval_max_ms / 1000,
                              prefill_chunk_tokens=c.prefill_chunk_tokens,
-                             eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics())
+                             eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics(),
+                             prefix_cache_bytes=prefix_cache_mb << 20,
+                             speculative_tokens=speculative_tokens)
         self.metrics = self.engine.metrics
         self.engine.start()
 
@@ -136,6 +153,30 @@ class EngineRunner(Runner):
                 elif isinstance(ev, FinishEvent) and ev.generated_tokens != n:
                     raise RuntimeError(f"engine finished early: {ev.reason} {ev.error}")
         return out
+
+    def timed(self, prompts, n):
+        """(tokens (B, n), seconds until every row had its first token (the engine's own
+        clock: the rows' prefills may be spread over several iterations), seconds to the end),
+        with the engine's counters over the call (cached prompt tokens, drafted / accepted)."""
+        from kvserve.server.domain import FinishEvent, TokenEvent
+
+        m = self.metrics
+        before = (m.cached_tokens, m.drafted, m.accepted)
+        t0 = time.perf_counter()
+        handles = self._submit_all(prompts, n)
+        out = np.zeros((len(prompts), n), np.int64)
+        for b, h in enumerate(handles):
+            for ev in h:
+                if isinstance(ev, TokenEvent):
+                    out[b, ev.index] = ev.token_id
+                elif isinstance(ev, FinishEvent) and ev.generated_tokens != n:
+                    raise RuntimeError(f"engine finished early: {ev.reason} {ev.error}")
+        total = time.perf_counter() - t0
+        first = m.last_first - t0
+        self.counters = {k: v - v0 for k, v, v0 in zip(
+            ("cached_tokens", "drafted", "accepted"),
+            (m.cached_tokens, m.drafted, m.accepted), before)}
+        return out, first, total
 
     def stream(self, prompt, n):
         self.metrics.gaps.clear()

@@ -105,6 +105,14 @@ class GenaiRunner(Runner):
         self.generate(prompt[None], n, times)
         return times
 
+    def timed(self, prompts, n):
+        """Every call a new Generator: the whole prompt prefilled (genai keeps nothing across
+        requests)."""
+        times: list[float] = []
+        t0 = time.perf_counter()
+        out = self.generate(np.asarray(prompts, np.int64), n, times)
+        return out, times[0] - t0, time.perf_counter() - t0
+
     def walker(self, position, steps, batch=1):
         prompt = prompts_for(batch, position, self.vocab, seed=7).astype(np.int32)
         g = self._generator(batch, position + steps + 2)

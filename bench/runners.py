@@ -3,7 +3,8 @@ RSS is attributable to one runner and no runner warms another's caches or shares
 processes stay alive side by side and take turns, cell by cell (``bench/turns.py``): each
 answers one measurement per command on stdin (``Worker``). The runners themselves:
 ``runner_base`` (the interface), ``runner_kvserve`` (engine, loop), ``runner_peers`` (torch, hf,
-genai), ``runner_grpc`` (grpc).
+genai), ``runner_grpc`` (grpc), ``runner_llamacpp`` (llamacpp, when llama-cpp-python is
+installed).
 
 Every runner offers the same operations on the same token ids:
   generate(prompts (B, P) int, n) -> (B, n) greedy tokens   (decode tok/s, TTFT = n of 1)
@@ -12,6 +13,8 @@ Every runner offers the same operations on the same token ids:
                            runner has steps; batch 1 and the plan's step_batches), the positions
                            interleaved in blocks within one turn
   score(sequences) -> per-token log-probabilities             (Score tokens/s)
+  timed(prompts, n) -> tokens, first-token and total seconds   (the prefix cache's and
+                           speculation's cells: ``bench/speed_cells.py``)
 What each runner is:
   engine  kvserve's continuous-batching Engine (server/engine.py), in-process: N requests
           submitted together, tokens collected from the handles
@@ -22,11 +25,15 @@ What each runner is:
   genai   onnxruntime-genai 0.18 Generator API, greedy, batch via set_search_options
   grpc    kvserve serve (a subprocess) driven by the Python gRPC client (clients/client.py):
           batch B = B concurrent streams
+  engine_on  the engine with kvserve serve's defaults: prefix cache and speculation on
+  llamacpp   llama-cpp-python on a GGUF of the same weights (f32; llamacpp_q8 / _q4: q8_0 /
+          q4_0), batch B = B sequences of one context
 Timing: wall clock (time.perf_counter) around each call; within a turn, calls repeat while
 they took under a second together (``best_of``).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -34,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import speed_cells
 from .runner_base import Runner, prompts_for, rss_now_mb, rss_peak_mb
 from .runner_grpc import GrpcRunner
 from .runner_kvserve import EngineRunner, LoopRunner
@@ -44,7 +52,11 @@ from .runner_peers import GenaiRunner, HFRunner, TorchRunner
 def make_runner(spec: dict) -> Runner:
     kind, t = spec["runner"], spec["threads"]
     if kind == "engine":
-        return EngineRunner(spec["artifact"], t, max_batch=max(spec.get("batches", [1]) + [1]))
+        spec_batches = (spec.get("spec") or {}).get("batches", [])
+        return EngineRunner(spec["artifact"], t,
+                            max_batch=max(spec.get("batches", [1]) + spec_batches + [1]),
+                            prefix_cache_mb=spec.get("prefix_cache_mb", 0),
+                            speculative_tokens=spec.get("speculative_tokens", 0))
     if kind == "loop":
         return LoopRunner(spec["artifact"], t)
     if kind == "torch":
@@ -53,6 +65,12 @@ def make_runner(spec: dict) -> Runner:
         return HFRunner(spec["hf"], t)
     if kind == "genai":
         return GenaiRunner(spec["genai"], t, spec["vocab"])
+    if kind == "llamacpp":
+        from .runner_llamacpp import LlamaCppRunner
+
+        r = LlamaCppRunner(spec["gguf"][spec.get("quant", "f32")], t)
+        r.name = spec.get("name", "llamacpp")
+        return r
     if kind == "grpc":
         return GrpcRunner(spec["artifact"], t, max(b for b, _ in spec["decode"]),
                           Path(spec["workdir"]))
@@ -88,9 +106,13 @@ class Worker:
                        "rss_before_load_mb": rss0}
         if getattr(self.r, "lm", None) is not None:  # kvserve's runners: which runtime
             self.loaded["runtime"] = self.r.lm.kind
+        for k in ("prefix_cache_mb", "speculative_tokens", "quant"):  # (engine_on, llamacpp)
+            if k in spec:
+                self.loaded[k] = spec[k]
         self.loaded["has"] = {"steps": self.r.has_steps, "stream": self.r.has_stream,
                               "score": self.r.has_score}
         self._scored = False
+        self._serials = itertools.count()  # a fresh shared prefix / conversation each time
 
     def warmup(self) -> dict:
         """Every batch size once, a few tokens; the greedy tokens of a fixed prompt."""
@@ -134,6 +156,17 @@ class Worker:
             self._scored = True
         secs, lps = best_of(lambda: self.r.score(seqs), 1, min_total)
         return {"seconds": secs, "logprob_sum": float(sum(np.sum(x) for x in lps))}
+
+    def prefix(self, shared: int, tail: int, min_total: float) -> dict:
+        return speed_cells.prefix(self.r, self.vocab, shared, tail, self._serials, min_total)
+
+    def chat(self, turns: int, first: int, user: int, reply: int) -> dict:
+        return speed_cells.chat(self.r, self.vocab, turns, first, user, reply,
+                                next(self._serials))
+
+    def speculation(self, prompts: list[list[int]], batch: int, n: int, min_total: float
+                    ) -> dict:
+        return speed_cells.best_spec(self.r, prompts, batch, n, min_total)
 
     def finish(self) -> dict:
         extra = self.r.extra()

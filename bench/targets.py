@@ -60,6 +60,9 @@ def _target(size: str, name: str, value: float | None, goal: float, notes=(), de
     return t
 
 
+make_target = _target  # (bench/targets_speed.py builds its targets with it)
+
+
 def shown_ratio(t: dict) -> str:
     """The ratio at 2 decimals, or more where 2 would put a missed target on its goal (0.996
     against 1.0 reads 0.996x, not 1.00x)."""
@@ -191,10 +194,16 @@ def _int8(key: str, size: dict) -> list[dict]:
 
 def targets(results: dict[str, dict]) -> list[dict]:
     """Every target, computed from one run's results (per size)."""
+    from .targets_speed import speed_targets
+
     out = []
-    for key in ("bench-6m", "bench-100m"):
+    for key in ("bench-6m", "bench-100m", "trained", "bench-6m+llamacpp",
+                "bench-100m+llamacpp"):
         size = results.get(key)
         if size is None:
+            continue
+        if key == "trained" or key.endswith("+llamacpp"):  # (speed_targets: all they have)
+            out += speed_targets(key, size)
             continue
         out += _engine_vs_genai(key, size)
         out.append(_target(key, "engine overhead ≤ 10% over the raw loop (engine ≥ 0.9× loop, "
@@ -206,6 +215,7 @@ def targets(results: dict[str, dict]) -> list[dict]:
         out += _grpc(key, size) + _score(key, size)
         if key == "bench-100m":
             out += _memory_and_steps(key, size) + _int8(key, size)
+        out += speed_targets(key, size)
     return out
 
 

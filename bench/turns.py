@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import speed_cells
 from .runners import REPLY
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ class RunnerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
+        if spec.get("runner") == "llamacpp":  # its OpenMP threads block instead of spinning:
+            # spinning at a barrier on a loaded 2-core machine halved its tok/s (130 vs 262
+            # tok/s, bench-6m, batch 1)
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
         self.name, self.log_path = name, log_path
         self.err = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.bench.runners",
@@ -112,9 +117,12 @@ class Cell:
     who: list[str] = field(default_factory=list)
 
 
-def cells_of(plan: dict[str, dict], has: dict[str, dict]) -> list[Cell]:
+def cells_of(plan: dict[str, dict], has: dict[str, dict],
+             code_prompts: list[list[int]] | None = None) -> list[Cell]:
     """The cells of a size's plan, in order: decode, TTFT, inter-token latency, decode steps,
-    Score. ``has[runner]`` says which of steps / stream / score the runner offers."""
+    Score, then the prefix cache's and speculation's cells (``bench/speed_cells.py``: shared
+    prefix, chat replay, speculation on ``code_prompts``). ``has[runner]`` says which of
+    steps / stream / score the runner offers."""
     found: dict[tuple, Cell] = {}
 
     def add(key, op, args, runner):
@@ -137,8 +145,37 @@ def cells_of(plan: dict[str, dict], has: dict[str, dict]) -> list[Cell]:
             nseq, T = spec["score"]
             add(("score", nseq, T), "score", {"sequences": nseq, "tokens": T,
                                               "min_total": 1.0}, r)
-    order = {"decode": 0, "ttft": 1, "itl": 2, "step": 3, "score": 4}
-    return sorted(found.values(), key=lambda c: (order[c.op], c.key[1:]))
+        for shared, tail in spec.get("prefix", []):
+            add(("prefix", shared, tail), "prefix", {"shared": shared, "tail": tail,
+                                                     "min_total": 1.0}, r)
+        if spec.get("chat"):
+            c = spec["chat"]
+            add(("chat", c["turns"]), "chat", dict(c), r)
+        if spec.get("spec") and code_prompts:
+            sp = spec["spec"]
+            for B in sp["batches"]:
+                # (the op is Worker.speculation: Worker.spec is the runner's plan)
+                add(("spec", B), "speculation", {"prompts": code_prompts[:sp["files"]],
+                                                 "batch": B, "n": sp["n"], "min_total": 1.0},
+                    r)
+    order = {"decode": 0, "ttft": 1, "itl": 2, "step": 3, "score": 4, "prefix": 5, "chat": 6,
+             "spec": 7}
+    return sorted(found.values(), key=lambda c: (order[c.key[0]], c.key[1:]))
+
+
+def runner_spec(name: str, spec: dict, paths: dict) -> dict:
+    """What a runner process is started with: the paths, its plan entry, and its kind (a
+    plan entry may name it: ``engine_on`` is an engine with the server's speed features)."""
+    full = {**paths, **spec}
+    full.pop("code_prompts", None)  # (sent with each spec cell, not at start)
+    full["runner"] = spec.get("runner") or ("engine" if name.startswith("engine") else
+                                            "llamacpp" if name.startswith("llamacpp") else name)
+    full["name"] = name
+    if name == "engine_int8":
+        full["artifact"] = paths["int8_artifact"]
+    if name == "engine_int4":
+        full["artifact"] = paths["int4_artifact"]
+    return full
 
 
 def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) -> dict:
@@ -149,9 +186,7 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
     procs: dict[str, RunnerProcess] = {}
     out: dict[str, dict] = {}
     for name, spec in plan.items():  # one at a time: load times are the runner's own
-        full = {**paths, **spec, "runner": "engine" if name == "engine_int8" else name}
-        if name == "engine_int8":
-            full["artifact"] = paths["int8_artifact"]
+        full = runner_spec(name, spec, paths)
         log.info("loading %s", name)
         p = RunnerProcess(name, full, workdir / f"runner-{name}.log")
         if p.loaded is None:
@@ -166,7 +201,8 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
         if w:
             out[name].update(w)
     turns: dict[tuple, dict[str, list[dict]]] = {}
-    cells = cells_of(plan, has)  # (a runner that failed to load has no cells)
+    cells = cells_of(plan, has, paths.get("code_prompts"))  # (a runner that failed to load
+    # has no cells)
     for k in range(rounds):
         for i, cell in enumerate(cells):
             who = [r for r in cell.who if k < plan[r].get("repeats", rounds)]
@@ -217,6 +253,9 @@ def _best(res: dict, key: tuple, got: list[dict], prompt: int | None, rounds: in
         name = "step_ms" if B == 1 else f"step_ms_batch{B}"
         res[name] = {pos: min(t["ms"][pos] for t in got) for pos in got[0]["ms"]}
         res[name + "_turns"] = [t["ms"] for t in got]
+    elif op in speed_cells.BEST:  # prefix, chat, spec
+        group, name, entry = speed_cells.best_turns(key, got, rounds)
+        res.setdefault(group, {})[name] = entry
     elif op == "score":
         nseq, T = key[1:]
         t = min(got, key=lambda t: t["seconds"])

@@ -1,0 +1,335 @@
+"""The prefix cache's and speculation's bench cells (bench/speed_cells.py) on the real engine
+with the tiny artifact, and their bookkeeping (turns, plan, merge) on tiny inputs. No timing
+is asserted: only what the cells count and which tokens they make."""
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvserve.bench import speed_cells as S
+from kvserve.bench.main import merge_speed, plan, speed_plan
+from kvserve.bench.turns import cells_of, runner_spec
+
+
+def test_shared_prefix_pair_shares_exactly_the_prefix():
+    a, b = S.shared_prefix_pair(300, 40, 8, serial=0)
+    assert a.shape == b.shape == (48,)
+    assert np.array_equal(a[:40], b[:40])
+    assert np.all(a[40:] != b[40:])  # every tail token differs
+    assert a.min() >= 2 and b.min() >= 2 and max(a.max(), b.max()) < 300
+    c, _ = S.shared_prefix_pair(300, 40, 8, serial=1)
+    assert not np.array_equal(a[:40], c[:40])  # a new serial: a new shared prefix
+    again, _ = S.shared_prefix_pair(300, 40, 8, serial=0)
+    assert np.array_equal(a, again)
+
+
+def test_chat_prompt_grows_by_reply_and_user_turn():
+    h = np.arange(5)
+    nxt = S.next_chat_prompt(h, np.array([7, 8]), np.array([9]))
+    assert nxt.tolist() == [0, 1, 2, 3, 4, 7, 8, 9]
+    assert S.chat_lengths(4, 256, 32, 32) == [256, 320, 384, 448]
+
+
+@pytest.fixture(scope="module")
+def engines(artifact):
+    from kvserve.bench.runner_kvserve import EngineRunner
+
+    off = EngineRunner(str(artifact.dir), 2, max_batch=4)
+    on = EngineRunner(str(artifact.dir), 2, max_batch=4, prefix_cache_mb=4,
+                      speculative_tokens=4)
+    yield off, on
+    off.close()
+    on.close()
+
+
+def test_prefix_cell_restores_whole_blocks_only_with_the_cache(engines, artifact):
+    off, on = engines
+    vocab = artifact.cfg.vocab_size
+    got_on = S.prefix(on, vocab, 40, 4, itertools.count(), min_total=0.0)
+    got_off = S.prefix(off, vocab, 40, 4, itertools.count(), min_total=0.0)
+    assert got_on["cached_tokens"] == 32  # 2 whole 16-token blocks of the 40 shared
+    assert got_off["cached_tokens"] == 0
+    assert got_on["first_ms"] > 0 and got_on["second_ms"] > 0
+
+
+def test_chat_cell_sends_the_whole_history(engines, artifact):
+    off, on = engines
+    vocab = artifact.cfg.vocab_size
+    a = S.chat(on, vocab, turns=3, first=40, user=8, reply=8, serial=3)
+    b = S.chat(off, vocab, turns=3, first=40, user=8, reply=8, serial=3)
+    assert a["prompt_tokens"] == b["prompt_tokens"] == S.chat_lengths(3, 40, 8, 8)
+    assert a["cached_tokens"][0] == 0 and all(c > 0 for c in a["cached_tokens"][1:])
+    # turn 2's history (40 + 8 reply) is cached up to its last computed row: 3 blocks
+    assert a["cached_tokens"][1] == 32 + 16 * ((40 + 8 - 1) // 16 - 2)
+    assert b["cached_tokens"] == [0, 0, 0]
+    assert len(a["ttft_ms"]) == 3 and a["ttft_ms_sum"] == pytest.approx(sum(a["ttft_ms"]))
+
+
+def test_spec_cell_makes_the_same_tokens_with_speculation(engines):
+    off, on = engines
+    # a repeating prompt: n-gram drafts are found and accepted
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 4, [20, 21, 22, 23] * 8]
+    for batch in (1, 2):
+        a, b = S.spec(on, prompts, batch, 24), S.spec(off, prompts, batch, 24)
+        assert a["tokens_sha"] == b["tokens_sha"]
+        assert a["tokens"] == b["tokens"] == 48
+        assert b["drafted"] == 0 and b["acceptance"] is None
+        assert 0 <= a["accepted"] <= a["drafted"]
+    best = S.best_spec(on, prompts, 2, 24, min_total=0.0)
+    assert best["tokens_sha"] == a["tokens_sha"]
+    # the decode begins when every row has its first token (the engine's own clock)
+    toks, first, total = off.timed(np.asarray(prompts), 8)
+    assert toks.shape == (2, 8) and 0 < first <= total
+
+
+def test_best_turns_keeps_the_best_and_each_round():
+    got = [{"round": 0, "second_ms": 5.0, "first_ms": 50.0},
+           {"round": 2, "second_ms": 3.0, "first_ms": 60.0}]
+    group, name, entry = S.best_turns(("prefix", 1000, 16), got, rounds=3)
+    assert (group, name) == ("prefix", "1000+16")
+    assert entry["second_ms"] == 3.0 and "round" not in entry
+    assert entry["turns_second_ms"] == [5.0, None, 3.0]
+    spec = [{"round": 0, "decode_tok_s": 10.0, "tok_s": 8.0, "tokens_sha": "a"},
+            {"round": 1, "decode_tok_s": 12.0, "tok_s": 9.0, "tokens_sha": "b"}]
+    _, name, entry = S.best_turns(("spec", 8), spec, rounds=3)
+    assert name == "8" and entry["decode_tok_s"] == 12.0
+    assert entry["turns_tok_s"] == [8.0, 9.0] and entry["tokens_sha"] == "varies"
+
+
+def test_plan_and_cells_of_the_speed_features():
+    p = plan("bench-6m", quick=False, repeats=2)
+    assert p["engine_on"]["runner"] == "engine"
+    assert p["engine_on"]["prefix_cache_mb"] > 0 and p["engine_on"]["speculative_tokens"] > 0
+    assert p["engine"]["decode"] and p["engine"]["prefix"] == [[1000, 16]]
+    assert "prefix_cache_mb" not in p["engine"]  # the baseline: both features off
+    trained = plan("trained", quick=False, repeats=None)
+    assert set(trained) - {"llamacpp"} == {"engine", "engine_on", "genai"}
+    assert all(set(v) >= {"spec"} and "prefix" not in v for v in trained.values())
+    assert speed_plan("small", False, 3) == {}
+    prompts = [[1, 2, 3]] * 20
+    has = {r: {"steps": False, "stream": False, "score": False} for r in trained}
+    cells = cells_of(trained, has, prompts)
+    assert [c.key for c in cells] == [("spec", 1), ("spec", 8)]
+    assert cells[0].op == "speculation"  # (a Worker method; its plan is Worker.spec)
+    assert len(cells[0].args["prompts"]) == trained["engine"]["spec"]["files"]
+    assert sorted(cells[0].who) == sorted(trained)
+    assert cells_of(trained, has, None) == []  # no prompts: no spec cell
+    spec = runner_spec("engine_on", p["engine_on"], {"artifact": "a", "code_prompts": prompts})
+    assert spec["runner"] == "engine" and "code_prompts" not in spec
+    assert runner_spec("engine_int4", {}, {"int4_artifact": "q4"})["artifact"] == "q4"
+
+
+def test_speed_only_results_merge_into_the_size():
+    old = {"size": "bench-100m", "meta": {"date": "morning"},
+           "runners": {"engine": {"decode": {"1x128": {"tok_s": 30}}, "spec": {"1": "old"}},
+                       "hf": {"score": {"tok_s": 5}}}}
+    new = {"meta": {"date": "evening"},
+           "runners": {"engine": {"prefix": {"1000+16": {"second_ms": 9}}, "load_seconds": 1},
+                       "engine_on": {"prefix": {"1000+16": {"second_ms": 1}}}}}
+    old["runners"]["engine_on"] = {"prefix": {"1000+16": {"second_ms": 2}}}
+    new["runners"]["engine_on"]["prefix_cache_mb"] = 256
+    out = merge_speed(old, new)
+    assert out["meta"] == {"date": "morning"} and out["speed_meta"] == {"date": "evening"}
+    eng = out["runners"]["engine"]
+    assert eng["decode"] == {"1x128": {"tok_s": 30}}  # the earlier cells stay
+    assert eng["prefix"] == {"1000+16": {"second_ms": 9}} and "spec" not in eng
+    assert out["runners"]["engine_on"]["prefix"]["1000+16"]["second_ms"] == 1
+    assert out["runners"]["engine_on"]["prefix_cache_mb"] == 256
+    assert out["runners"]["hf"] == {"score": {"tok_s": 5}}
+    assert old["runners"]["engine"]["spec"] == {"1": "old"}  # (the input is not changed)
+
+
+def test_runner_subset_results_merge_into_the_size():
+    from kvserve.bench.main import merge_runners
+
+    old = {"meta": {"date": "morning"},
+           "runners": {"grpc": {"decode": {"1x128": 1}, "error": "old"},
+                       "genai": {"decode": {"1x128": 2}, "spec": {"1": "kept"}},
+                       "hf": {"score": 3}}}
+    new = {"meta": {"date": "evening"},
+           "runners": {"grpc": {"decode": {"1x128": 10}},
+                       "genai": {"decode": {"1x128": 20}, "spec": {"1": "new"}}}}
+    out = merge_runners(old, new)
+    assert out["runners"]["grpc"] == {"decode": {"1x128": 10}}  # replaced whole
+    assert out["runners"]["genai"] == {"decode": {"1x128": 20}, "spec": {"1": "kept"}}
+    assert out["runners"]["hf"] == {"score": 3} and out["meta"] == {"date": "morning"}
+    assert out["runners_meta"]["grpc"] == {"date": "evening"}
+
+
+def test_held_out_files_are_the_trainers_validation_documents(tmp_path):
+    from kvserve.bench.trained import code_prompts, held_out_files
+    from kvserve.model import data as D
+    from kvserve.model.tokenizer import train_bpe
+
+    files = []
+    for i in range(12):
+        f = tmp_path / f"m{i:02d}.py"
+        f.write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i))
+        files.append(f)
+    held = held_out_files(files, val_fraction=0.3)
+    tok = train_bpe([f.read_text() for f in files], vocab_size=300, min_frequency=1)
+    data = D.build_tokens(files, tok, tmp_path / "tokens", val_fraction=0.3)
+    assert 0 < len(held) == data.meta["n_val_docs"]
+    # the validation stream is exactly the held-out documents (each followed by eos)
+    want = sum(len(tok.encode(f.read_text())) + 1 for f in held)
+    assert data.meta["n_val"] == want
+    (tmp_path / "tok.json").write_text(tok.to_str())
+    prompts, names = code_prompts(tmp_path / "tok.json", held, n=1, length=8)
+    assert len(prompts) == 1 and len(prompts[0]) == 8 and names[0] in {f.name for f in held}
+    with pytest.raises(ValueError, match="held-out files"):
+        code_prompts(tmp_path / "tok.json", held, n=len(held) + 1, length=8)
+
+
+def test_hf_copy_of_a_checkpoint_has_the_same_logits(artifact, tmp_path):
+    """bench/trained.py's kvserve -> transformers Llama copy (for onnxruntime-genai and
+    llama.cpp): logits within 1e-4, and kvserve's own importer maps it back unchanged."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvserve.bench.trained import to_hf
+    from kvserve.model.checkpoint import load_model
+    from kvserve.model.hf_import import import_hf
+
+    ckpt = Path(artifact.dir).parent / "ckpt"
+    hf = to_hf(ckpt, tmp_path / "hf", atol=1e-4)
+    assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    back = load_model(import_hf(hf, tmp_path / "back"))
+    a, b = load_model(ckpt).state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _speed_size(off_ms, on_ms, chat_off, chat_on, spec_off, spec_on, genai=None):
+    def runner(prefix_ms, chat_ttft, spec_b1, acc=None):
+        sp = {str(b): {"decode_tok_s": v * b ** 0.5, "tok_s": v, "tokens": 64, "drafted": 100,
+                       "accepted": None if acc is None else int(100 * acc),
+                       "acceptance": acc, "tokens_sha": "same",
+                       "turns_decode_tok_s": [v * b ** 0.5] * 3} for b, v in
+              ((1, spec_b1), (8, spec_b1))}
+        return {"prefix": {"1000+16": {"first_ms": 100.0, "second_ms": prefix_ms,
+                                       "cached_tokens": 992,
+                                       "turns_second_ms": [prefix_ms, prefix_ms * 1.1]}},
+                "chat": {"8": {"ttft_ms_sum": chat_ttft, "total_ms_sum": chat_ttft * 2,
+                               "ttft_ms": [chat_ttft / 8] * 8, "prompt_tokens": [256, 320],
+                               "cached_tokens": [0, 0 if acc is None else 272],
+                               "turns_ttft_ms_sum": [chat_ttft] * 3}},
+                "spec": sp}
+    g = genai or (off_ms, chat_off, spec_off)
+    return {"runners": {"engine": runner(off_ms, chat_off, spec_off),
+                        "engine_on": {**runner(on_ms, chat_on, spec_on, acc=0.5),
+                                      "prefix_cache_mb": 256, "speculative_tokens": 4},
+                        "genai": runner(*g)},
+            "meta": {"code_files": ["os.py", "stat.py"], "code_prompt_tokens": 384}}
+
+
+def test_speed_targets_met_missed_and_why():
+    from kvserve.bench.targets import targets
+
+    size = _speed_size(off_ms=500.0, on_ms=20.0, chat_off=2000.0, chat_on=300.0,
+                       spec_off=100.0, spec_on=180.0, genai=(600.0, 1800.0, 160.0))
+    ts = {t["target"]: t for t in targets({"trained": size, "bench-100m": size})}
+    pre = ts["bench-100m: prefix cache: second request's TTFT ≤ 0.1× uncached (1,000 shared + "
+             "16 tokens, batch 1)"]
+    assert pre["ratio"] == pytest.approx(0.04) and pre["status"] == "met"
+    chat = ts["bench-100m: chat replay (8 turns, whole history each turn): total TTFT ≥ 5× "
+              "lower than without the cache"]
+    assert chat["ratio"] == pytest.approx(2000 / 300) and chat["met"]
+    g = ts["bench-100m: chat replay (8 turns, whole history each turn): total TTFT ≥ 5× lower "
+           "than onnxruntime-genai"]
+    assert g["ratio"] == pytest.approx(6.0) and g["met"]
+    b1 = ts["trained: speculation ≥ 1.5× speculation off, batch 1 (held-out code, decode "
+            "tok/s)"]
+    assert b1["ratio"] == pytest.approx(1.8) and b1["met"]
+    vs_g = ts["trained: speculation ≥ 1.3× onnxruntime-genai, batch 1 (held-out code, decode "
+              "tok/s)"]
+    assert vs_g["ratio"] == pytest.approx(180 / 160) and vs_g["status"] == "missed by 13%"
+    assert "50% of the drafted tokens were accepted" in vs_g["why"]
+    b8 = ts["trained: speculation never below speculation off, batch 8 (held-out code, decode "
+            "tok/s)"]
+    assert b8["met"]
+    # random-init sizes: batch 1 is a figure, batch 8 a target; no llama.cpp without results
+    assert not any("100m: speculation ≥ 1.5×" in k for k in ts)
+    assert "bench-100m: speculation never below speculation off, batch 8 (held-out code, " \
+           "decode tok/s)" in ts
+    assert not any("llama.cpp" in k for k in ts)
+
+
+def test_llamacpp_targets_pair_each_precision():
+    from kvserve.bench.targets import targets
+
+    def dec(v):
+        return {"1x128": {"tok_s": v, "turns_tok_s": [v, v]},
+                "8x128": {"tok_s": 4 * v, "turns_tok_s": [4 * v, 4 * v]}}
+    size = {"runners": {"engine": {"decode": dec(100)}, "llamacpp": {"decode": dec(80)},
+                        "engine_int8": {"decode": dec(200)},
+                        "llamacpp_q8": {"decode": dec(250)}}}
+    ts = {t["name"]: t for t in targets({"bench-100m+llamacpp": size})}
+    assert ts["kvserve fp32 ≥ 1.0× llama.cpp f32, batch 1 (128 new tokens)"]["ratio"] == 1.25
+    q8 = ts["kvserve int8 ≥ 1.0× llama.cpp q8_0, batch 8 (128 new tokens)"]
+    assert q8["ratio"] == pytest.approx(0.8) and q8["status"] == "missed by 20%"
+    assert not any("int4" in n for n in ts)  # no q4_0 results: no int4 target
+
+
+def test_speed_tables_render(tmp_path):
+    from kvserve.bench.report_speed import prefix_chat_tables, spec_table
+
+    size = _speed_size(500.0, 20.0, 2000.0, 300.0, 100.0, 180.0)
+    lines = "\n".join(prefix_chat_tables(size) + spec_table(size))
+    assert "| kvserve engine, server defaults (prefix cache 256 MB, speculation K ≤ 4) | " \
+           "100.0 | 20.0 | 992 |" in lines
+    assert "| kvserve engine, prefix cache and speculation off | 2,000 | 4,000 | 250.0 | 0 |" \
+        in lines
+    assert "after 384 tokens of each file" in lines and "`os.py`" in lines
+    assert "50% (b1), 50% (b8) | yes/yes |" in lines
+
+
+def test_llamacpp_only_plan_pairs_the_same_cells():
+    from kvserve.bench.main import llamacpp_installed, llamacpp_only_plan
+
+    p = llamacpp_only_plan("bench-100m", quick=False, rep=2)
+    if not llamacpp_installed():
+        assert p == {}
+        return
+    assert set(p) == {"engine", "engine_int8", "engine_int4", "llamacpp", "llamacpp_q8",
+                      "llamacpp_q4"}
+    assert all(v["decode"] == [[1, 128], [8, 128]] for v in p.values())
+    assert {p[k]["quant"] for k in p if k.startswith("llamacpp")} == {"f32", "q8_0", "q4_0"}
+    assert runner_spec("llamacpp_q4", p["llamacpp_q4"], {})["runner"] == "llamacpp"
+
+
+def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
+    """The tiny model's weights through the sdist's convert_hf_to_gguf.py (f32) and q8_0
+    quantization; llama.cpp's greedy tokens equal kvserve's raw loop's at batch 1 and 2, with
+    a prefill longer than one llama_decode chunk. Needs llama-cpp-python and its sdist's
+    converter (KVSERVE_LLAMACPP_SRC, or one fetched into the bench cache)."""
+    import os
+
+    pytest.importorskip("llama_cpp")
+    from kvserve.bench.common import CACHE
+    from kvserve.bench.gguf_convert import SRC_ENV, gguf_files
+    from kvserve.bench.runner_base import prompts_for
+    from kvserve.bench.runner_kvserve import LoopRunner
+    from kvserve.bench.runner_llamacpp import N_BATCH, LlamaCppRunner
+
+    assert 3 * 200 > N_BATCH
+    from kvserve.bench.trained import to_hf
+
+    if not os.environ.get(SRC_ENV) and not (CACHE / "llamacpp-src").is_dir():
+        pytest.skip(f"no llama-cpp-python source distribution ({SRC_ENV})")
+    hf = to_hf(Path(artifact.dir).parent / "ckpt", tmp_path / "hf")
+    files = gguf_files(hf, tmp_path / "gguf", CACHE, ("f32", "q8_0"))
+    assert files["q8_0"].stat().st_size < files["f32"].stat().st_size
+    ll = LlamaCppRunner(str(files["f32"]), 2)
+    loop = LoopRunner(str(artifact.dir), 2)
+    try:
+        vocab = artifact.cfg.vocab_size
+        for B, P in ((1, 12), (3, 200)):  # 3 × 200 rows: more than one chunk
+            prompts = prompts_for(B, P, vocab)
+            assert np.array_equal(ll.generate(prompts, 8), loop.generate(prompts, 8))
+        toks, first, total = ll.timed(prompts_for(1, 12, vocab), 4)
+        assert toks.shape == (1, 4) and 0 < first <= total
+    finally:
+        ll.close()
