@@ -26,7 +26,7 @@ SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12},
 NEW_TOKENS = 96
 
 
-def _engine(art: Path):
+def _engine(art: Path, fast_forward: bool = True):
     from tokenizers import Tokenizer as HFTokenizer
 
     from kvserve.artifact.loader import load_lm
@@ -40,7 +40,7 @@ def _engine(art: Path):
     eos = lm.cfg.eos_token_id if lm.cfg.eos_token_id is not None else 0
     engine = Engine(lm, TokenBytes(HFTokenizer.from_str(text), V), max_batch=8, max_queue=64,
                     score_chunk_floats=8_000_000, eos_id=eos,
-                    prefill_chunk_tokens=512)
+                    prefill_chunk_tokens=512, fast_forward=fast_forward)
     engine.start()
     return engine, Guides(text, V, [eos])
 
@@ -66,8 +66,8 @@ def _run(engine, guides, batch: int, constrained: bool) -> tuple[float, int]:
     return tokens / (time.perf_counter() - t0), tokens
 
 
-def measure(art: Path, repeats: int) -> dict:
-    engine, guides = _engine(art)
+def measure(art: Path, repeats: int, fast_forward: bool = True) -> dict:
+    engine, guides = _engine(art, fast_forward)
     try:
         guides.guide()  # the token table, built once per server: not a decode cost
         out = {}
