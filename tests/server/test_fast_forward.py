@@ -113,6 +113,54 @@ def test_outputs_identical_with_fast_forward_on_and_off(lm, artifact, guides, sa
             e.stop()
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("kind", ["schema", "regex", "choice", "grammar"])
+def test_each_kind_alone_is_identical_on_and_off(lm, artifact, guides, kind, sampling):
+    spec = {"schema": ConstraintSpec.json_schema(SCHEMA), "regex": ConstraintSpec.regex(REGEX),
+            "choice": ConstraintSpec.choice(CHOICES),
+            "grammar": ConstraintSpec.lark('start: "point(" NUM ", " NUM ")"\n'
+                                           'NUM: /[0-9]{1,3}/')}[kind]
+    on, off = _engine(lm, artifact, True), _engine(lm, artifact, False)
+    try:
+        got = _run(on, [_req(guides, spec, sampling, 3)])
+        want = _run(off, [_req(guides, spec, sampling, 3)])
+        assert _ids(got) == _ids(want)
+        assert got[0][1].text == want[0][1].text
+        assert got[0][1].reason.value in ("constraint", "eos_token"), got[0][1]
+        assert on.fast_forward.accepted > 0
+        assert on.steps < off.steps
+    finally:
+        on.stop()
+        off.stop()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_wrong_forced_drafts_are_rejected_exactly(lm, artifact, guides, sampling):
+    """A draft token the plain path would not pick (with a real tokenizer: another tokenization
+    of the forced text) is rejected like a wrong n-gram draft, and nothing of it reaches the
+    matcher: here every forced draft of 2+ tokens has its middle token replaced."""
+    on, off = _engine(lm, artifact, True), _engine(lm, artifact, False)
+    real = on.fast_forward.forced
+    V = lm.cfg.vocab_size
+
+    def corrupt(seq):
+        d = list(real(seq))
+        if len(d) >= 2:
+            d[len(d) // 2] = (d[len(d) // 2] + 1) % V
+        return d
+
+    on.fast_forward.forced = corrupt
+    try:
+        got = _run(on, _mixed(guides, sampling))
+        want = _run(off, _mixed(guides, sampling))
+        assert _ids(got) == _ids(want)
+        ff = on.fast_forward
+        assert 0 < ff.accepted < ff.drafted  # accepted up to the wrong token, then corrected
+    finally:
+        on.stop()
+        off.stop()
+
+
 def test_fast_forward_saves_model_calls_and_counts_its_tokens(lm, artifact, guides):
     """One JSON-schema row, greedy, speculation off: the forced keys go in verification calls
     (batch 1: the whole forced run at once), so fewer model calls yield the same tokens."""
