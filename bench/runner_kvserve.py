@@ -72,7 +72,7 @@ class RecordingMetrics:
         self.gaps: list[float] = []
         self.steps: list[tuple[int, float]] = []
         # prompt tokens restored from the prefix cache; draft tokens verified and accepted
-        self.cached_tokens = self.drafted = self.accepted = 0
+        self.cached_tokens = self.drafted = self.accepted = self.forced = 0
         self.last_first = 0.0
 
     def queue_depth(self, n): ...
@@ -95,6 +95,9 @@ class RecordingMetrics:
     def speculated(self, drafted, accepted):
         self.drafted += drafted
         self.accepted += accepted
+
+    def fast_forwarded(self, tokens):
+        self.forced += tokens
 
 
 class EngineRunner(Runner):

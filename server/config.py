@@ -146,6 +146,10 @@ class ServerConfig:
     speculative_tokens: int = _opt(4, "most draft tokens a sequence verifies per step "
                                       "(n-gram speculative decoding: exact, adaptive, paused "
                                       "while it would lose speed; 0 = off)")
+    constraint_fast_forward: bool = _opt(True, "feed the tokens a constraint forces (a JSON "
+                                               "schema's fixed keys, ...) as that row's draft, "
+                                               "verified in one call instead of one step each "
+                                               "(exact; independent of speculative_tokens)")
     max_temperature: float = _opt(100.0, "upper bound of temperature",
                                   limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
     max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",

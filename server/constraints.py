@@ -9,8 +9,9 @@ A step of a constrained row, in this order (the engine's side of the contract):
 3. ``consume(token)`` - the chosen token fed back (raises ``ConstraintViolation`` if refused);
 4. ``done`` - the grammar has stopped (it took an end token): finish the row.
 
-``forced()`` lists the tokens the grammar forces next (the same whatever the model says): they
-may be appended without sampling (fast-forward) and then consumed with ``consume_tokens``.
+``forced()`` lists the tokens the grammar forces next (the same whatever the model says),
+without consuming them: the engine feeds them as the row's draft and keeps each one the plain
+path's sampling picks (``server.fast_forward``), consuming it in step 3 as any other token.
 The end tokens (``eos_ids``) are allowed exactly when the grammar accepts what is written.
 """
 from __future__ import annotations

@@ -50,6 +50,7 @@ from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_re
 from .scheduler import Scheduler
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
+from .fast_forward import FastForward
 from .speculation import Speculator
 from .stopping import argmax_from, quiet_rule
 
@@ -67,7 +68,7 @@ class Engine:
                  metrics: EngineMetrics | None = None, eos_ids: Seq[int] = (),
                  stream_interval: float = 0.0, prefill_chunk_tokens: int = 0,
                  stream_interval_max: float | None = None, prefix_cache_bytes: int = 0,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, fast_forward: bool = True):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -88,8 +89,11 @@ class Engine:
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
+        # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
+        self.fast_forward = FastForward(self.cfg.max_seq_len) \
+            if fast_forward and getattr(lm, "supports_verify", False) else None
         self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
-                                  self.longrope, self.prefix, self.spec)
+                                  self.longrope, self.prefix, self.spec, self.fast_forward)
         self.sched.on_leave = self.runner.cache_tokens
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()

@@ -81,6 +81,9 @@ class Metrics:
                                             "speculative draft tokens verified")
         self.spec_accepted = LabelledCounter(r, p + "spec_accepted_tokens_total",
                                              "speculative draft tokens accepted")
+        self.forced_tokens = LabelledCounter(r, p + "constraint_forced_tokens_total",
+                                             "tokens a constraint forced, fed as a draft and "
+                                             "accepted (no decode step of their own)")
 
     # engine hooks
     def queue_depth(self, n: int) -> None:
@@ -111,6 +114,10 @@ class Metrics:
         if drafted:
             self.spec_drafted.inc(drafted)
             self.spec_accepted.inc(accepted)
+
+    def fast_forwarded(self, tokens: int) -> None:
+        if tokens:
+            self.forced_tokens.inc(tokens)
 
 
 class MetricsServer:

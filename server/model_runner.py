@@ -1,7 +1,8 @@
 """The engine's model calls: what the scheduler decided, run on the runner (vLLM's model
 runner). Prefill of admitted sequences (batched, chunked, or from a cached prefix), one decode
-step for the batch, or one verification step when sequences have speculative drafts. Each call's
-logits rows go to the sampler, and the chosen tokens to the output processor.
+step for the batch, or one verification step when sequences have speculative drafts (n-gram
+lookups: ``server.speculation``; the tokens a constraint forces: ``server.fast_forward``). Each
+call's logits rows go to the sampler, and the chosen tokens to the output processor.
 
 Prefix cache: an admitted sequence takes the longest cached prefix of its prompt (whole
 blocks: ``server.prefix_cache``), its rows copied into its slot on the device, and only the
@@ -18,6 +19,7 @@ import time
 import numpy as np
 
 from .constraint_masks import MaskBatch
+from .fast_forward import FastForward
 from .interfaces import EngineMetrics, Runner
 from .output import OutputProcessor
 from .sampler import masked, sample_row
@@ -29,12 +31,14 @@ from .speculation import Speculator
 
 class ModelRunner:
     def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
-                 metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None):
+                 metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None,
+                 fast_forward: FastForward | None = None):
         self.lm, self.sched, self.output = lm, sched, output
         self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
         self.spec = speculator
+        self.ff = fast_forward
         self.masks: MaskBatch | None = None  # constrained rows' masks, made on first use
         # masks are computed while the model runs only where it runs on another device: on
         # the CPU provider onnxruntime's threads hold the cores (2 cores, 100M, batch 8: the
@@ -156,10 +160,12 @@ class ModelRunner:
     # --- decoding ------------------------------------------------------------------------------
     def step(self) -> None:
         """One model call for every active sequence: a verification step where drafts are
-        worth it, else a decode step."""
-        drafts = self.spec.drafts(self.sched.active) if self.spec is not None else None
+        worth it (n-gram drafts, the tokens constraints force), else a decode step."""
+        active = self.sched.active
+        ngram = self.spec.drafts(active) if self.spec is not None else None
+        drafts = self.ff.drafts(active, ngram) if self.ff is not None else ngram
         if drafts is not None:
-            self._verify_step(drafts)
+            self._verify_step(drafts, ngram is not None)
         else:
             self._decode_step()
 
@@ -189,6 +195,8 @@ class ModelRunner:
         self.metrics.step(n, now - t0)
         if self.spec is not None:
             self.spec.backoff.plain_step(n, now - t0)
+        if self.ff is not None:
+            self.ff.plain_step(n, now - t0)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token sample_row would pick
         plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
@@ -225,27 +233,39 @@ class ModelRunner:
             self.masks = MaskBatch(self.lm.cfg.vocab_size, self.sched.max_batch)
         return rows
 
-    def _verify_step(self, drafts: list[list[int]]) -> None:
+    def _verify_step(self, drafts: list[list[int]], ngram: bool) -> None:
         """Every row feeds its token and its draft in one call; each keeps the tokens the plain
-        path would have chosen (``spec_verify``), and its cache the rows of those tokens."""
+        path would have chosen (``spec_verify``), and its cache the rows of those tokens.
+        ``ngram``: the n-gram speculator drafted this step (its ``Backoff`` measures it); a
+        constrained row's draft is the tokens its grammar forces (``fast_forward``)."""
         active, kv = self.sched.active, self.sched.kv
         n = len(active)
         before = kv.used[:n].tolist()
+        rows = [[s.feed, *d] for s, d in zip(active, drafts)]
         t0 = time.monotonic()
-        logits = self.lm.verify(kv, n, [[s.feed, *d] for s, d in zip(active, drafts)])
+        logits = self.lm.verify(kv, n, rows)
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
-        emitted = 0
+        emitted = forced = 0
         for i, (seq, draft) in enumerate(zip(active, drafts)):
             toks = verify_row(logits[i], draft, lambda j, row, s=seq: self._take(s, row, now),
                               lambda tok, s=seq: s.done)
             kv.truncate(i, before[i] + len(toks))
             emitted += len(toks)
             accepted = accepted_count(draft, toks)
-            self.spec.record(seq, len(draft), accepted)
-            self.metrics.speculated(len(draft), accepted)
-        self.spec.backoff.verify_step(n, now - t0, emitted)
+            if seq.req.constraint is not None:  # (constrained rows never draft n-grams)
+                if draft:
+                    forced += accepted
+                    self.ff.record(len(draft), accepted)
+                    self.metrics.fast_forwarded(accepted)
+            elif self.spec is not None:
+                self.spec.record(seq, len(draft), accepted)
+                self.metrics.speculated(len(draft), accepted)
+        if self.ff is not None:
+            self.ff.verify_step(n, max(map(len, rows)), now - t0)
+        if ngram:
+            self.spec.backoff.verify_step(n, now - t0, emitted - forced)
 
     def _take(self, seq: Sequence, row: np.ndarray, now: float) -> int:
         """The token ``seq`` takes from ``row`` (its plain path's choice), handed over."""

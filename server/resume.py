@@ -12,8 +12,9 @@ other work.
 
 The draw count is derived, not carried: ``model.sampling`` draws exactly one uniform per
 sampled (non-greedy) step and none on a greedy one, so the n delivered tokens of a sampled
-request cost n draws, of a greedy one none. (A future step that chooses a token without a
-draw, e.g. a constraint that allows a single token, must then carry the count in the request.)
+request cost n draws, of a greedy one none. Tokens a constraint forces are sampled too when
+fast-forwarded (``server.fast_forward``: verified as a draft, one draw each). (A future step
+that chooses a token without a draw must then carry the count in the request.)
 A sampled request without a seed cannot be continued identically and is refused.
 
 ``check`` runs in the caller's thread before submission (INVALID_ARGUMENT for tokens that run

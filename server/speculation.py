@@ -87,7 +87,8 @@ class Speculator:
         return not seq.forced and not seq.wants_attention
 
     def admit(self, seq: Sequence) -> None:
-        if self.eligible(seq) and seq.req.constraint is None:  # (a grammar's mask: one a step)
+        # a constrained row drafts the tokens its grammar forces instead (server.fast_forward)
+        if self.eligible(seq) and seq.req.constraint is None:
             seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:

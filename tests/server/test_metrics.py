@@ -49,6 +49,10 @@ def test_hooks_render_the_same_names_and_labels(served):
     m.requests.inc(rpc="Score", outcome="ok")
     m.malformed.inc(rpc="Generate")
     m.scored.inc(11)
+    m.speculated(4, 3)
+    m.speculated(0, 0)
+    m.fast_forwarded(5)
+    m.fast_forwarded(0)
     ctype, body = scrape(srv.port)
     assert ctype == "text/plain; version=0.0.4; charset=utf-8"
     assert value(body, "kvserve_queue_size") == 3
@@ -56,6 +60,9 @@ def test_hooks_render_the_same_names_and_labels(served):
     assert value(body, "kvserve_prompt_tokens_total") == 12
     assert value(body, "kvserve_generated_tokens_total") == 3
     assert value(body, "kvserve_scored_tokens_total") == 11
+    assert value(body, "kvserve_spec_draft_tokens_total") == 4
+    assert value(body, "kvserve_spec_accepted_tokens_total") == 3
+    assert value(body, "kvserve_constraint_forced_tokens_total") == 5
     assert value(body, 'kvserve_requests_total{outcome="length",rpc="Generate"}') == 2
     assert value(body, 'kvserve_requests_total{outcome="stop",rpc="Generate"}') == 1
     assert value(body, 'kvserve_requests_total{outcome="ok",rpc="Score"}') == 1

@@ -64,6 +64,20 @@ def test_constrained_and_free_rows_share_a_batch(stub):
             assert out.text == solo.text
 
 
+def test_forced_tokens_are_fast_forwarded_and_counted(app, stub):
+    """The schema's fixed keys are forced: the server feeds them as drafts (on by default) and
+    its Prometheus endpoint counts them."""
+    from test_metrics import scrape, value
+
+    before = app.metrics.forced_tokens.get()
+    done = _generate(stub, json_schema=SCHEMA)
+    jsonschema.validate(json.loads(done.text), SCHEMA)
+    gained = app.metrics.forced_tokens.get() - before
+    assert gained >= len('{"name":"'), gained  # (the tiny BPE spells it out: a token a char)
+    _, body = scrape(app.metrics_server.port)
+    assert value(body, "kvserve_constraint_forced_tokens_total") >= gained
+
+
 @pytest.mark.parametrize("structured, field", [
     (pb.Structured(json_schema="{not json"), "structured.json_schema"),
     (pb.Structured(regex="(unclosed"), "structured.regex"),
