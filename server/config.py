@@ -143,7 +143,7 @@ class ServerConfig:
                                      "prompts and outputs, reused by requests that begin with "
                                      "the same tokens (allocated once; 0 = off)",
                                 limit="not an error: least recently used blocks are evicted")
-    speculative_tokens: int = _opt(4, "most draft tokens a sequence verifies per step "
+    speculative_tokens: int = _opt(8, "most draft tokens a sequence verifies per step "
                                       "(n-gram speculative decoding: exact, adaptive, paused "
                                       "while it would lose speed; 0 = off)")
     constraint_fast_forward: bool = _opt(True, "feed the tokens a constraint forces (a JSON "

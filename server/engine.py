@@ -52,6 +52,7 @@ from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
 from .fast_forward import FastForward
 from .speculation import Speculator
+from .step_costs import StepCosts
 from .stopping import argmax_from, quiet_rule
 
 log = logging.getLogger(__name__)
@@ -88,12 +89,14 @@ class Engine:
             output=self.output)
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
+        self.costs = StepCosts()  # the steps' measured seconds: both drafters read them
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
-        self.fast_forward = FastForward(self.cfg.max_seq_len) \
+        self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \
             if fast_forward and getattr(lm, "supports_verify", False) else None
         self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
-                                  self.longrope, self.prefix, self.spec, self.fast_forward)
+                                  self.longrope, self.prefix, self.spec, self.fast_forward,
+                                  self.costs)
         self.sched.on_leave = self.runner.cache_tokens
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()
@@ -139,7 +142,7 @@ class Engine:
                          pool.block_tokens, pool.nbytes / 1e6)
         if spec_tokens:
             if getattr(self.lm, "supports_verify", False):
-                spec = Speculator(spec_tokens, self.cfg.max_seq_len)
+                spec = Speculator(spec_tokens, self.cfg.max_seq_len, self.costs)
             else:
                 log.info("speculative decoding off: this runner cannot verify drafts")
         return prefix, spec

@@ -26,23 +26,22 @@ from __future__ import annotations
 
 from .ngram import MAX_K
 from .sequence import Sequence
+from .step_costs import StepCosts
 
-_EMA = 0.2  # weight of the newest measurement
 _FORGET = 0.9  # a batch-size's extra-position cost shrinks each time it refuses a forced run,
 # so that a figure inflated by one slow call is measured again after a few refusals
 
 
 class FastForward:
-    """The engine's forced-token drafts: ``drafts(active, base)`` before a step, ``plain_step``
-    and ``verify_step`` after one (their seconds), ``record`` per row verified."""
+    """The engine's forced-token drafts: ``drafts(active, base)`` before a step, ``record``
+    per row verified; the steps' seconds come from ``costs`` (``server.step_costs``, which the
+    model runner updates)."""
 
-    def __init__(self, max_seq_len: int, k_max: int = MAX_K):
+    def __init__(self, max_seq_len: int, k_max: int = MAX_K, costs: StepCosts | None = None):
         if not 1 <= k_max <= MAX_K:
             raise ValueError(f"fast-forward tokens must be in [1, {MAX_K}], got {k_max}")
         self.k_max, self.max_seq_len = k_max, max_seq_len
-        self.plain: dict[int, float] = {}  # batch size -> EMA seconds of a plain step
-        self.per_position: dict[int, float] = {}  # batch size -> EMA seconds of a padded
-        # position beyond the first of each row, in a verification call
+        self.costs = costs if costs is not None else StepCosts()
         self.drafted = self.accepted = 0  # totals (tests, logs)
 
     def forced(self, seq: Sequence) -> list[int]:
@@ -87,7 +86,7 @@ class FastForward:
         top = max(lens)
         if n == 1:
             return top
-        plain, per = self.plain.get(n), self.per_position.get(n)
+        plain, per = self.costs.plain.get(n), self.costs.per_position.get(n)
         if plain is None or per is None:
             return top  # not measured at this batch size: the call measures it
         best_k, best = 0, n / (plain + per * n * k_base)
@@ -96,22 +95,8 @@ class FastForward:
             if rate > best:
                 best_k, best = k, rate
         if not best_k:
-            self.per_position[n] = per * _FORGET
+            self.costs.forget(n, _FORGET)
         return best_k
-
-    def plain_step(self, n: int, seconds: float) -> None:
-        old = self.plain.get(n)
-        self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
-
-    def verify_step(self, n: int, positions: int, seconds: float) -> None:
-        """A verification call at batch size ``n`` with ``positions`` per row (padded) took
-        ``seconds``: the cost of the positions past the first."""
-        plain = self.plain.get(n)
-        if plain is None or positions < 2:
-            return
-        x = max(0.0, seconds - plain) / (n * (positions - 1))
-        old = self.per_position.get(n)
-        self.per_position[n] = x if old is None else (1 - _EMA) * old + _EMA * x
 
     def record(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted

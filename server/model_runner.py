@@ -27,18 +27,20 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .spec_verify import accepted_count, verify_row
 from .speculation import Speculator
+from .step_costs import StepCosts
 
 
 class ModelRunner:
     def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
                  metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None,
-                 fast_forward: FastForward | None = None):
+                 fast_forward: FastForward | None = None, costs: StepCosts | None = None):
         self.lm, self.sched, self.output = lm, sched, output
         self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
         self.spec = speculator
         self.ff = fast_forward
+        self.costs = costs if costs is not None else StepCosts()  # (the drafters' figures)
         self.masks: MaskBatch | None = None  # constrained rows' masks, made on first use
         # masks are computed while the model runs only where it runs on another device: on
         # the CPU provider onnxruntime's threads hold the cores (2 cores, 100M, batch 8: the
@@ -73,18 +75,13 @@ class ModelRunner:
         for seq in seqs:
             ids = seq.prefill_ids
             first = tuple(ids[:bt]) if len(ids) > bt else None
-            if first is not None and (first in seen or self._cached(ids)):
+            if first is not None and (first in seen or self.prefix.has_prefix(ids)):
                 later.append(seq)
             else:
                 batched.append(seq)
             if first is not None:
                 seen.add(first)
         return batched, later
-
-    def _cached(self, ids: list[int]) -> bool:
-        blocks, n = self.prefix.match(ids)
-        self.prefix.release(blocks)
-        return n > 0
 
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
@@ -193,23 +190,16 @@ class ModelRunner:
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
+        self.costs.plain_step(n, now - t0)
         if self.spec is not None:
-            self.spec.backoff.plain_step(n, now - t0)
-        if self.ff is not None:
-            self.ff.plain_step(n, now - t0)
+            self.spec.backoff.plain_step(n)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token sample_row would pick
-        plain = [s.argmax_from is not None and len(s.generated) >= s.argmax_from
-                 for s in active]
+        plain = [_greedy(s) for s in active]
         argmax = logits[:n].argmax(axis=1).tolist() if any(plain) else None
-        hold = self.output.hold
         for i, seq in enumerate(active):
             if seq.forced:
                 seq.feed = seq.forced.popleft()
-                continue
-            if plain[i] and seq.quiet is not None and seq.quiet.quiet(argmax[i],
-                                                                      len(seq.generated)):
-                hold(seq, argmax[i], now)
                 continue
             rows = None
             if attn is not None and seq.wants_attention:
@@ -217,7 +207,7 @@ class ModelRunner:
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
             self.choose(seq, logits[i], rows, argmax[i] if plain[i] else None,
-                        premasked=bool(masks))
+                        premasked=bool(masks), now=now)
 
     def _constrained(self, active: list[Sequence]) -> list:
         """The batch's constrained rows whose masks are made while the model runs, where it runs
@@ -262,33 +252,34 @@ class ModelRunner:
             elif self.spec is not None:
                 self.spec.record(seq, len(draft), accepted)
                 self.metrics.speculated(len(draft), accepted)
-        if self.ff is not None:
-            self.ff.verify_step(n, max(map(len, rows)), now - t0)
+        self.costs.verify_step(n, max(map(len, rows)), now - t0)
         if ngram:
             self.spec.backoff.verify_step(n, now - t0, emitted - forced)
 
     def _take(self, seq: Sequence, row: np.ndarray, now: float) -> int:
-        """The token ``seq`` takes from ``row`` (its plain path's choice), handed over."""
-        k = len(seq.generated)
-        if seq.argmax_from is not None and k >= seq.argmax_from:
-            tok = int(row.argmax())
-            if seq.quiet is not None and seq.quiet.quiet(tok, k):
-                self.output.hold(seq, tok, now)
-                return tok
-            self.output.accept(seq, tok, row, None)
-            return tok
-        row = masked(row, seq.req)
-        tok = sample_row(row, seq.req, seq.generated, seq.rng, self.output.eos_ids)
-        self.output.accept(seq, tok, row, None)
-        return tok
+        """The token ``seq`` takes from a verification's ``row`` (its plain path's choice)."""
+        return self.choose(seq, row, None, int(row.argmax()) if _greedy(seq) else None, now=now)
 
     def choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None,
-               premasked: bool = False) -> None:
-        """Sample the next token of ``seq`` from its logits row (V,) (``tok``: already chosen
-        by the batch's greedy argmax; ``premasked``: its constraint's mask is applied) and hand
-        it to the output processor."""
-        if tok is None:
+               premasked: bool = False, now: float | None = None) -> int:
+        """The next token of ``seq`` from its logits row (V,), handed to the output processor
+        and returned. ``tok``: already chosen by a greedy argmax (``_greedy``), which a quiet
+        step (``stopping.QuietRule``, given ``now``) only records; else sampled from the row
+        (``premasked``: its constraint's mask is applied)."""
+        if tok is not None:
+            if now is not None and seq.quiet is not None and \
+                    seq.quiet.quiet(tok, len(seq.generated)):
+                self.output.hold(seq, tok, now)
+                return tok
+        else:
             if not premasked:
                 raw = masked(raw, seq.req)
             tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.output.eos_ids)
         self.output.accept(seq, tok, raw, attention)
+        return tok
+
+
+def _greedy(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is the plain argmax of its logits (no penalties, nothing
+    banned at this step, unconstrained: ``stopping.argmax_from``)."""
+    return seq.argmax_from is not None and len(seq.generated) >= seq.argmax_from

@@ -99,6 +99,15 @@ class PrefixCache:
             self._acquire(bid)
         return blocks, len(blocks) * self.block_tokens
 
+    def has_prefix(self, tokens) -> bool:
+        """Whether ``match`` would find at least one block (the first block's hash only; no
+        reference taken)."""
+        if (len(tokens) - 1) // self.block_tokens < 1:
+            return False
+        key, chunk = next(iter(self._chain(tokens, 1)))
+        bid = self._by_key.get(key)
+        return bid is not None and self._blocks[bid].tokens == chunk
+
     def restore(self, kv, slot: int, blocks: list[int]) -> int:
         """The blocks' rows into the empty ``slot`` (its ``used`` becomes their tokens); the
         rest of the prompt is then prefilled after them. Returns the rows restored."""

@@ -6,15 +6,21 @@ one call of the fused graph verifies every row's draft (``FusedLM.verify``: rows
 draft feed their one token in the same call), and ``server.spec_verify`` keeps exactly the
 tokens the plain path would have produced (greedy and seeded sampling alike).
 
-Three things keep it from costing speed:
-- per sequence, lookups that find nothing are made less often (every 2, 4, 8 steps), so a
+Four things keep it from costing speed:
+- per sequence, lookups that find nothing are made less often (every 2, then 4 steps), so a
   sequence that never repeats itself costs little Python;
-- per sequence, ``ngram.AdaptiveK``: the draft length follows the recent acceptance, down to
-  no drafts (with an occasional probe) while drafts keep failing;
-- per engine, ``Backoff``: the tokens a verification step yields per second are compared with
-  the plain step's at the same batch size (measured: a plain step is taken now and then to
-  keep that figure fresh); while speculation yields fewer, it pauses (the batch is
-  compute-bound, or the drafts are poor), then tries again.
+- per sequence, ``ngram.AdaptiveK``: the draft length with the most expected tokens per second,
+  from the sequence's measured acceptance and the measured cost of each extra position
+  (``server.step_costs``), down to no drafts (with an occasional probe) while drafts keep
+  failing;
+- per engine, ``Backoff``: the tokens the verification steps of a window yield per second are
+  compared with the plain step's at the same batch size (a plain step is taken now and then to
+  keep that figure fresh); a window that yields fewer pauses speculation (the batch is
+  compute-bound, or the drafts are poor), for longer each time it happens again in a row.
+  Sums over a window, not step by step, so that one step slowed by another process does not
+  switch it off;
+- the costs are measured per batch size, so a batch that is compute-bound pays for no draft
+  it cannot afford.
 """
 from __future__ import annotations
 
@@ -22,11 +28,13 @@ from dataclasses import dataclass
 
 from .ngram import AdaptiveK, NgramIndex
 from .sequence import Sequence
+from .step_costs import StepCosts
 
-_EMA = 0.2  # weight of the newest measurement
 _REFRESH = 32  # verification steps between two plain steps at a batch size (a fresh figure)
-_PAUSE = 64  # plain steps while speculation is paused
-_MAX_SKIP = 8  # steps between lookups of a sequence whose lookups keep finding nothing
+_WINDOW = 16  # verification steps whose tokens and seconds are weighed together
+_PAUSE = 16  # plain steps of a first pause; doubled while windows keep losing ...
+_PAUSE_MAX = 256  # ... up to this
+_MAX_SKIP = 4  # steps between lookups of a sequence whose lookups keep finding nothing
 _WORTH = 1.0  # speculation goes on while it yields at least this x the plain tokens/s
 
 
@@ -41,43 +49,53 @@ class Drafting:
 
 
 class Backoff:
-    """Whether a step at batch size n should verify drafts, from measured step rates."""
+    """Whether a step at batch size n should verify drafts, from measured step rates (the plain
+    steps' in ``costs``)."""
 
-    def __init__(self):
-        self.plain: dict[int, float] = {}  # batch size -> EMA seconds of a plain step
+    def __init__(self, costs: StepCosts):
+        self.costs = costs
         self.since_plain: dict[int, int] = {}  # batch size -> verification steps since a plain
-        self.gain = 1.0  # EMA of (verification tokens/s) / (plain tokens/s)
+        self.window: dict[int, list] = {}  # batch size -> [steps, tokens, seconds] so far
+        self.gain: float | None = None  # the last window's (verification tokens/s) / (plain)
         self.paused = 0  # plain steps left before speculation is tried again
+        self.pause = _PAUSE  # the next pause's length
 
     def allow(self, n: int) -> bool:
         if self.paused:
             self.paused -= 1
             return False
-        return n in self.plain and self.since_plain.get(n, 0) < _REFRESH
+        return n in self.costs.plain and self.since_plain.get(n, 0) < _REFRESH
 
-    def plain_step(self, n: int, seconds: float) -> None:
-        old = self.plain.get(n)
-        self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+    def plain_step(self, n: int) -> None:
         self.since_plain[n] = 0
 
     def verify_step(self, n: int, seconds: float, tokens: int) -> None:
         self.since_plain[n] = self.since_plain.get(n, 0) + 1
-        plain = self.plain.get(n)
+        plain = self.costs.plain.get(n)
         if plain is None or seconds <= 0:
             return
-        ratio = (tokens / seconds) / (n / plain)
-        self.gain = (1 - _EMA) * self.gain + _EMA * ratio
+        w = self.window.setdefault(n, [0, 0, 0.0])
+        w[0] += 1
+        w[1] += tokens
+        w[2] += seconds
+        if w[0] < _WINDOW:
+            return
+        self.gain = (w[1] / w[2]) / (n / plain)
+        self.window[n] = [0, 0, 0.0]
         if self.gain < _WORTH:
-            self.paused, self.gain = _PAUSE, 1.0
+            self.paused, self.pause = self.pause, min(2 * self.pause, _PAUSE_MAX)
+        else:
+            self.pause = _PAUSE
 
 
 class Speculator:
     """The engine's drafts: ``drafts(active)`` before a step (None: take a plain step),
     ``record`` after a verification."""
 
-    def __init__(self, k_max: int, max_seq_len: int):
+    def __init__(self, k_max: int, max_seq_len: int, costs: StepCosts | None = None):
         self.k_max, self.max_seq_len = k_max, max_seq_len
-        self.backoff = Backoff()
+        self.costs = costs if costs is not None else StepCosts()
+        self.backoff = Backoff(self.costs)
         self.drafted = self.accepted = 0  # totals (metrics)
 
     @staticmethod
@@ -103,6 +121,8 @@ class Speculator:
             return None
         out: list[list[int]] = []
         any_draft = False
+        n = len(active)
+        cost = self.costs.relative
         for seq in active:
             d = seq.drafting
             if d is None:
@@ -119,7 +139,7 @@ class Speculator:
             # room: the draft's tokens and the one after them are new tokens of the sequence
             room = min(seq.req.stopping.max_new_tokens - len(gen),
                        self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
-            k = d.k.k(room)
+            k = d.k.k(room, lambda positions: cost(n, positions))
             draft = d.index.propose(k) if k > 0 else []
             if k > 0 and not draft:
                 d.empty += 1

@@ -69,15 +69,15 @@ def test_rows_with_attention_diagnostics_keep_the_whole_batch_plain(guide):
 
 def test_batch_one_takes_the_whole_forced_run_whatever_was_measured():
     ff = FastForward(max_seq_len=256)
-    ff.plain_step(1, 0.010)
-    ff.verify_step(1, 17, 1.0)  # an absurdly slow call
+    ff.costs.plain_step(1, 0.010)
+    ff.costs.verify_step(1, 17, 1.0)  # an absurdly slow call
     assert ff.cap(1, [12]) == 12
 
 
 def test_an_unmeasured_batch_size_tries_the_whole_run():
     ff = FastForward(max_seq_len=256)
     assert ff.cap(8, [3, 12]) == 12
-    ff.plain_step(8, 0.010)
+    ff.costs.plain_step(8, 0.010)
     assert ff.cap(8, [3, 12]) == 12  # (no verification measured yet)
 
 
@@ -86,23 +86,23 @@ def test_in_a_batch_the_length_follows_the_measured_cost_of_padding():
     row ~9x a step) make one row's long run a loss but many rows' short runs a gain; at 0.01
     ms each (a device's) everything goes."""
     ff = FastForward(max_seq_len=256)
-    ff.plain_step(8, 0.010)
-    ff.verify_step(8, 17, 0.010 + 0.0006 * 8 * 16)
-    assert ff.per_position[8] == pytest.approx(0.0006)
+    ff.costs.plain_step(8, 0.010)
+    ff.costs.verify_step(8, 17, 0.010 + 0.0006 * 8 * 16)
+    assert ff.costs.per_position[8] == pytest.approx(0.0006)
     assert ff.cap(8, [16]) == 0  # 24 tokens for ~8.7 steps' time: plain is better
-    assert ff.per_position[8] == pytest.approx(0.0006 * _FORGET)  # measured again later
+    assert ff.costs.per_position[8] == pytest.approx(0.0006 * _FORGET)  # measured again later
     assert ff.cap(8, [2] * 8) == 2  # 24 tokens in ~1.9 steps' time
     assert ff.cap(8, [2] * 7 + [16]) == 2  # (not padded to the long one)
     cheap = FastForward(max_seq_len=256)
-    cheap.plain_step(8, 0.010)
-    cheap.verify_step(8, 17, 0.010 + 0.00001 * 8 * 16)
+    cheap.costs.plain_step(8, 0.010)
+    cheap.costs.verify_step(8, 17, 0.010 + 0.00001 * 8 * 16)
     assert cheap.cap(8, [16, 3]) == 16
 
 
 def test_a_refused_run_is_tried_again_after_some_steps():
     ff = FastForward(max_seq_len=256)
-    ff.plain_step(4, 0.010)
-    ff.verify_step(4, 9, 0.010 + 0.003 * 4 * 8)  # 3 ms an extra position: a loss for 8
+    ff.costs.plain_step(4, 0.010)
+    ff.costs.verify_step(4, 9, 0.010 + 0.003 * 4 * 8)  # 3 ms an extra position: a loss for 8
     refusals = 0
     while not ff.cap(4, [8]) and refusals < 100:
         refusals += 1

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve.server.ngram import MAX_K, AdaptiveK, NgramIndex, propose
+from kvserve.server.ngram import MAX_K, AdaptiveK, NgramIndex, best_k, propose
 
 
 @pytest.mark.parametrize("tokens,k,want", [
@@ -94,19 +94,42 @@ def test_per_call_cost_at_4k_tokens():
 
 
 def test_adaptive_k_follows_acceptance():
-    a = AdaptiveK(8, patience=3, probe_every=4)
-    assert a.k() == 8
-    for _ in range(3):  # three drafts, nothing accepted: off
-        a.update(a.k(), 0)
-    assert [a.k() for _ in range(4)] == [0, 0, 0, 1]  # a probe every 4th step
+    cheap = lambda positions: 1.0 + 0.05 * (positions - 1)  # noqa: E731
+    a = AdaptiveK(8, probe_every=4)
+    first = a.k(cost=cheap)
+    assert 1 <= first <= 8
+    for _ in range(12):  # drafts that fail: shorter, then off ...
+        a.update(max(1, a.k(cost=cheap)), 0)
+    ks = [a.k(cost=cheap) for _ in range(4)]
+    assert ks[0] == 0 and 1 in ks  # ... until the failures fade (a draft costs little here)
     a.update(1, 1)  # the probe was accepted: back on, growing with the acceptance
     ks = []
     for _ in range(10):
-        k = a.k()
+        k = a.k(cost=cheap)
         ks.append(k)
         a.update(k, k)
     assert ks[0] >= 1 and ks[-1] == 8 and ks == sorted(ks)
-    assert a.k(cap=0) == 0 and a.k(cap=2) == 2  # the engine's cap (compute-bound batch)
+    assert a.k(cap=0) == 0 and a.k(cap=2, cost=cheap) == 2  # the room left
     assert AdaptiveK(0).k() == 0
     with pytest.raises(ValueError, match="speculative tokens"):
         AdaptiveK(MAX_K + 1)
+
+
+@pytest.mark.parametrize("a", [0.05, 0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("per", [0.02, 0.1, 0.5, 2.0])
+def test_best_k_maximises_expected_tokens_per_cost(a, per):
+    cost = lambda positions: 1.0 + per * (positions - 1)  # noqa: E731
+    value = [sum(a ** i for i in range(k + 1)) / cost(k + 1) for k in range(9)]
+    k = best_k(a, 8, cost)
+    assert value[k] == pytest.approx(max(value), rel=1e-9)
+    assert k == min(i for i, v in enumerate(value) if v >= max(value) * (1 - 1e-9))
+
+
+def test_drafting_stops_where_a_draft_cannot_pay_for_itself():
+    dear = lambda positions: 1.0 + 1.5 * (positions - 1)  # noqa: E731
+    a = AdaptiveK(8, probe_every=4)
+    for _ in range(6):  # drafts of 2, half of each accepted
+        a.update(2, 1)
+    assert a.rate < 0.6
+    assert [a.k(cost=dear) for _ in range(4)] == [0, 0, 0, 1]  # a probe keeps it measured
+    assert a.k(cost=lambda positions: 1.0) == 8  # free positions: the longest draft

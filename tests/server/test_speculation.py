@@ -5,7 +5,9 @@ from __future__ import annotations
 from kvserve.model.sampling import SamplingParams
 from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 from kvserve.server.sequence import Handle, Sequence
-from kvserve.server.speculation import _MAX_SKIP, _PAUSE, _REFRESH, Backoff, Speculator
+from kvserve.server.speculation import (_MAX_SKIP, _PAUSE, _PAUSE_MAX, _REFRESH, _WINDOW, Backoff,
+                                        Speculator)
+from kvserve.server.step_costs import StepCosts
 
 
 def _seq(prompt, generated=(), max_new=64, attention=False) -> Sequence:
@@ -18,35 +20,59 @@ def _seq(prompt, generated=(), max_new=64, attention=False) -> Sequence:
     return s
 
 
+def _plain(b: Backoff, n: int, seconds: float) -> None:
+    """A plain step at batch size n, as the model runner reports it."""
+    b.costs.plain_step(n, seconds)
+    b.plain_step(n)
+
+
 def test_a_batch_size_is_measured_plain_before_it_verifies_and_refreshed_every_so_often():
-    b = Backoff()
+    b = Backoff(StepCosts())
     assert not b.allow(2)  # no plain figure at batch 2 yet
-    b.plain_step(2, 0.010)
+    _plain(b, 2, 0.010)
     verified = 0
     while b.allow(2):
         b.verify_step(2, 0.012, 6)  # 6 tokens in 12 ms against 2 in 10 ms: worth it
         verified += 1
     assert verified == _REFRESH  # then a plain step refreshes the figure
-    b.plain_step(2, 0.010)
+    _plain(b, 2, 0.010)
     assert b.allow(2)
 
 
 def test_speculation_pauses_while_it_yields_fewer_tokens_per_second():
-    b = Backoff()
-    b.plain_step(8, 0.010)  # 800 tokens/s
+    b = Backoff(StepCosts())
+    _plain(b, 8, 0.010)  # 800 tokens/s
     steps = 0
     while b.allow(8) and steps < 100:
         b.verify_step(8, 0.020, 9)  # 450 tokens/s: a loss
         steps += 1
-    assert steps < 10, "it kept verifying at a loss"
+    assert steps == _WINDOW, "it kept verifying at a loss"  # one window weighed, then paused
     paused = sum(not b.allow(8) for _ in range(_PAUSE))
     assert paused == _PAUSE - 1  # (the first refusal above started the pause)
-    assert b.allow(8)  # then it tries again
+    assert b.allow(8)  # then it tries again ...
+    for _ in range(_WINDOW):
+        b.verify_step(8, 0.020, 9)
+    _plain(b, 8, 0.010)  # (the refresh, so that only the pause refuses below)
+    assert sum(not b.allow(8) for _ in range(4 * _PAUSE)) == 2 * _PAUSE  # ... losing again:
+    for _ in range(_WINDOW):  # a pause twice as long; a window that gains resets it
+        b.verify_step(8, 0.010, 16)
+    assert b.pause == _PAUSE and _PAUSE_MAX >= 8 * _PAUSE
+
+
+def test_one_slow_step_does_not_pause_speculation():
+    b = Backoff(StepCosts())
+    _plain(b, 1, 0.010)  # 100 tokens/s
+    for i in range(4 * _WINDOW):  # 3 tokens in 12 ms (250 tokens/s), one step stalled 50 ms
+        if i % _WINDOW == 0:
+            _plain(b, 1, 0.010)  # (the refreshes)
+        assert b.allow(1)
+        b.verify_step(1, 0.050 if i == 3 else 0.012, 3)
+    assert b.paused == 0 and b.gain > 1
 
 
 def test_drafts_from_the_sequence_itself_within_its_room():
     sp = Speculator(k_max=4, max_seq_len=256)
-    sp.backoff.plain_step(1, 0.01)
+    _plain(sp.backoff, 1, 0.01)
     s = _seq([5, 6, 7, 8, 9, 5, 6], max_new=64)
     sp.admit(s)
     s.generated = [7]  # ... 5 6 7: the earlier "5 6 7" was followed by 8 9 5 6
@@ -58,7 +84,7 @@ def test_drafts_from_the_sequence_itself_within_its_room():
 
 def test_a_sequence_whose_lookups_find_nothing_looks_less_often():
     sp = Speculator(k_max=4, max_seq_len=256)
-    sp.backoff.plain_step(2, 0.01)
+    _plain(sp.backoff, 2, 0.01)
     lonely = _seq(list(range(10, 40)), generated=[99])
     loopy = _seq([1, 2, 3, 1, 2], generated=[3])
     sp.admit(lonely)
@@ -68,12 +94,12 @@ def test_a_sequence_whose_lookups_find_nothing_looks_less_often():
         before = lonely.drafting.empty
         sp.drafts([lonely, loopy])
         looks += lonely.drafting.empty != before
-    assert 40 // _MAX_SKIP <= looks <= 10  # 1, 2, 4, then every 8 steps
+    assert 40 // _MAX_SKIP <= looks <= 40 // _MAX_SKIP + 3  # 1, 2, then every 4 steps
 
 
 def test_no_verification_while_a_row_wants_attention():
     sp = Speculator(k_max=4, max_seq_len=256)
-    sp.backoff.plain_step(2, 0.01)
+    _plain(sp.backoff, 2, 0.01)
     loopy = _seq([1, 2, 3, 1, 2], generated=[3])
     diag = _seq([1, 2, 3], generated=[4], attention=True)
     sp.admit(loopy)
