@@ -73,16 +73,29 @@ def test_roofline_fraction_and_its_factors():
     assert r["roofline_tok_s"] == pytest.approx(10_000.0)
     assert r["fraction"] == pytest.approx(0.7)
     prof = S.op_shares(_events(), *S.run_windows(_events())[0])
-    # 512 tokens at 10 MFLOP each over the MatMul's 4.19 MFLOP
+    # 512 tokens at 10 MFLOP each over the MatMul's 4.19 MFLOP; the timed call: 0.1 s at
+    # 5,120 tok/s, 0.9 of it in onnxruntime
+    fl = 2 * 512 * 64 * 128
     e = S.explained({"inside_ort": 0.9, "seconds": 0.1}, prof, 100.0, 10e6, 512)
     assert e["matmul_share"] == pytest.approx(100 / 160)
-    assert e["matmul_efficiency"] == pytest.approx(prof["matmul_gflops"] / 100.0)
-    assert e["flops_over_matmul_flops"] == pytest.approx(512 * 10e6 / (2 * 512 * 64 * 128))
-    assert e["product"] == pytest.approx(0.9 * e["matmul_share"] * e["matmul_efficiency"]
-                                         * e["flops_over_matmul_flops"])
-    # MatMul at 100 GFLOP/s: its 0.1 x 0.9 x 100/160 s become 4.19 MFLOP / 100 GFLOP/s
-    at_roof = 0.1 - 0.1 * 0.9 * 100 / 160 + 2 * 512 * 64 * 128 / 100e9
-    assert e["ceiling_matmul_at_roofline"] == pytest.approx(512 * 10e6 / 100e9 / at_roof)
+    t_mm = 0.1 * 0.9 * 100 / 160
+    assert e["matmul_efficiency"] == pytest.approx(fl / 100e9 / t_mm)
+    assert e["matmul_efficiency_profiled"] == pytest.approx(prof["matmul_gflops"] / 100.0)
+    assert e["flops_over_matmul_flops"] == pytest.approx(512 * 10e6 / fl)
+    # the factors multiply to the fraction of the timed call
+    assert e["product"] == pytest.approx(S.roofline(512 / 0.1, 100.0, 10e6)["fraction"])
+    # MatMul at 100 GFLOP/s: its t_mm seconds become 4.19 MFLOP / 100 GFLOP/s
+    assert e["ceiling_matmul_at_roofline"] == pytest.approx(
+        512 * 10e6 / 100e9 / (0.1 - t_mm + fl / 100e9))
+
+
+def test_attention_gflops_on_the_causal_and_the_computed_flops():
+    prof = S.op_shares(_events(), *S.run_windows(_events())[0])  # attention: 50 us
+    a = S.attention_gflops(prof, n_layers=2, d_model=64, tokens=255, scored=512)
+    causal = 4 * 2 * 64 * 128 * 512  # (255 + 1) / 2 = 128 positions on average
+    assert a["causal_gflops"] == pytest.approx(causal / 50e-6 / 1e9)
+    assert a["computed_gflops"] == pytest.approx(a["causal_gflops"] * 2 * 255 / 256)
+    assert S.attention_gflops({"ops": {}}, 2, 64, 255, 512) is None
 
 
 def test_same_shape_efficiency_weighs_each_shape_by_its_time():
@@ -93,9 +106,32 @@ def test_same_shape_efficiency_weighs_each_shape_by_its_time():
     assert S.same_shape_efficiency(prof, {"a": 100.0}) is None  # a shape not measured
 
 
-def test_median_of_a_nested_figure():
-    rounds = [{"t": {"x": v}} for v in (3.0, 1.0, 2.0)]
-    assert S.median_of(rounds, "t", "x") == 2.0
+def _round(tok_s: float, gflops: float, run_us: float, mm_us: float) -> dict:
+    ev = [_run(0.0, run_us), _node("MatMul", 1.0, mm_us, [2, 256, 64], [2, 256, 128]),
+          _node("GroupQueryAttention", 2.0 + mm_us, 50.0, [2, 256, 192], [2, 256, 64])]
+    return {"timed": {"tok_s": tok_s, "seconds": S.SEQUENCES * S.TOKENS / tok_s,
+                      "inside_ort": 0.9,
+                      "log_softmax": 0.05, "rest": 0.05},
+            "profile": S.op_shares(ev), "roofline_gflops": gflops, "load": 2.0,
+            "peak_by_shape": {"2048x64x128": gflops, "512x64x128": gflops * 1.1},
+            "fraction": S.roofline(tok_s, gflops, 10e6)["fraction"]}
+
+
+def test_summarise_keeps_the_best_of_each_measurement():
+    """A burst halves a round's roofline (round 2) or its Score call (round 1): the summary
+    takes the fastest call, the fastest profiled pass and the highest GFLOP/s of the run."""
+    rounds = [_round(2000.0, 200.0, 400.0, 200.0), _round(4000.0, 100.0, 300.0, 100.0),
+              _round(3800.0, 190.0, 350.0, 150.0)]
+    out = S.summarise(rounds, 10e6, {"n_layers": 2, "d_model": 64}, 1953)
+    b = out["best"]
+    assert b["tok_s"] == 4000.0 and b["roofline_gflops"] == 200.0
+    assert b["fraction"] == pytest.approx(4000.0 * 10e6 / 200e9)
+    assert b["fraction_all_shapes"] == pytest.approx(4000.0 * 10e6 / 220e9)
+    assert b["op_shares"]["MatMul"] == pytest.approx(100 / 150)  # round 2's pass: the fastest
+    assert b["round_fractions"] == pytest.approx([0.1, 0.4, 0.2])
+    assert out["peak_by_shape"] == {"2048x64x128": 200.0, "512x64x128": pytest.approx(220.0)}
+    assert b["explained"]["product"] == pytest.approx(b["fraction"])
+    assert b["attention"]["causal_gflops"] > 0 and out["chunk_tokens"] == 1953
 
 
 def test_real_profile_of_one_matmul(tmp_path):
@@ -132,23 +168,31 @@ def _result(size: str, fraction: float) -> dict:
                          "Mul": 0.03},
            "matmul_gflops": 90.0, "matmul_vs_same_shapes": 0.95,
            "explained": {"inside_ort": 0.97, "matmul_share": 0.8, "matmul_efficiency": 0.9,
+                         "matmul_efficiency_profiled": 0.88,
                          "flops_over_matmul_flops": 1.03, "product": 0.72,
                          "ceiling_matmul_at_roofline": 0.8}}
-    return {"median": med}
+    return {"best": {**med, "fraction_all_shapes": fraction - 0.05,
+                     "attention": {"causal_gflops": 20.0, "computed_gflops": 39.8},
+                     "round_fractions": [fraction, 0.5]}}
 
 
 def test_render_writes_a_row_per_size_between_the_markers(tmp_path):
     from kvserve.bench.report import update_doc
 
     res = {"meta": {"date": "2026-12-01 19:00 UTC", "machine": "cpu, 2 cores", "rounds": 3,
+                    "threads": 2,
                     "load_before": 1.5, "load_after": 2.0},
            "sizes": {"bench-6m": _result("bench-6m", 0.7)}}
     text = S.render(res)
-    assert "| bench-6m | 700 | 1,000 | 0.70 | 97.0% | 2.0% | 1.0% | 80.0% | 12.0% | 8.0% | " \
-           "90 (0.90) | 0.95 |" in text
+    assert ("| bench-6m | 700 | 1,000 | 0.70 (0.65) | 97.0% | 2.0% | 1.0% | 80.0% | 12.0% | "
+            "8.0% | 0.90; 0.88 | 0.95 |") in text
     assert "bench-6m: Split 5.0%, Mul 3.0%." in text
     assert "0.97 × 0.80 × 0.90 × 1.03 = 0.72" in " ".join(text.split())
+    assert "bench-6m: 20 GFLOP/s on the causal FLOPs the roofline counts (40 on the products" \
+        in " ".join(text.split())
     assert "would reach bench-6m: 0.80 of the roofline" in " ".join(text.split())
+    assert "Each round's own fraction (its Score call over its roofline): bench-6m: 0.70, 0.50" \
+        in " ".join(text.split())
     doc = tmp_path / "speed.md"
     doc.write_text(f"# speed\n\n{S.START}\nold\n{S.END}\n\ntail\n")
     update_doc(doc, text, S.START, S.END)
