@@ -250,15 +250,24 @@ def _flops(art: Path) -> tuple[float, dict]:
 
 
 def measure(art: Path, rounds: int, threads: int) -> dict:
-    """``rounds`` rounds of peak / timed Score / profiled Score, one after the other."""
-    from .roofline import peak_in_subprocess
-
+    """``rounds`` rounds of profiled Score / peak / timed Score, one after the other."""
     flops, model = _flops(art)
     d, V = model["d_model"], model["vocab_size"]
     rows = SEQUENCES * TOKENS  # the bench's roofline shapes (bench/main.py's _roofline)
     bench_shapes = [(rows, d, 4 * d), (rows, d, V)]
     timed = _Timed(art, threads)
-    cap = timed.r.engine.chunk_tokens
+    try:
+        cap = timed.r.engine.chunk_tokens
+        out = _rounds(art, rounds, threads, timed, cap, bench_shapes, flops)
+    finally:
+        timed.r.close()
+    return summarise(out, flops, model, cap)
+
+
+def _rounds(art: Path, rounds: int, threads: int, timed: _Timed, cap: int,
+            bench_shapes: list[tuple[int, int, int]], flops: float) -> list[dict]:
+    from .roofline import peak_in_subprocess
+
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         # every MatMul shape of the Score calls, from a first profiled session's warm-up pass
@@ -287,8 +296,7 @@ def measure(art: Path, rounds: int, threads: int) -> dict:
             r["explained"] = explained(r["timed"], p, r["roofline_gflops"], flops,
                                        SEQUENCES * TOKENS)
             r["matmul_vs_same_shapes"] = same_shape_efficiency(p, r["peak_by_shape"])
-    timed.r.close()
-    return summarise(out, flops, model, cap)
+    return out
 
 
 def summarise(rounds: list[dict], flops: float, model: dict, cap: int) -> dict:
