@@ -238,14 +238,15 @@ def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
     return lines
 
 
-def update_doc(doc: Path, section: str) -> None:
-    """Replace what is between the markers of ``doc`` (appending the markers when missing)."""
+def update_doc(doc: Path, section: str, start: str = START, end: str = END) -> None:
+    """Replace what is between the markers of ``doc`` (appending the markers when missing);
+    the bench's by default, another generated block's when given."""
     text = doc.read_text() if doc.exists() else ""
-    if START not in text or END not in text:
-        text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{START}\n{section.strip()}\n{END}{tail}")
+    if start not in text or end not in text:
+        text = text.rstrip("\n") + f"\n\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    doc.write_text(f"{head}{start}\n{section.strip()}\n{end}{tail}")
 
 
 def load_results(results_dir: Path) -> dict[str, dict]:

@@ -80,6 +80,33 @@ def test_profile_end_to_end(tiny_artifact, tmp_path):
     assert "OnnxLM" not in md and "KVBuffers" not in md
 
 
+def test_score_profile_end_to_end(tiny_artifact):
+    """bench/score_profile.py's measurement on the tiny model, one round: the bench's Score
+    cell through the real engine, a profiled session and the roofline's subprocess."""
+    from kvserve.bench import score_profile as S
+
+    out = S.measure(tiny_artifact, rounds=1, threads=1)
+    b, (r,) = out["best"], out["rounds"]
+    scored = S.SEQUENCES * S.TOKENS
+    assert b["tok_s"] > 0 and b["roofline_gflops"] > 0 and b["fraction"] > 0
+    assert b["fraction"] == pytest.approx(b["tok_s"] * out["flops_per_token"]
+                                          / (b["roofline_gflops"] * 1e9))
+    assert sum(b["split"].values()) == pytest.approx(1.0)
+    assert 0 < b["split"]["inside_ort"] < 1 and b["split"]["log_softmax"] > 0
+    assert {"MatMul", "GroupQueryAttention"} <= set(b["op_shares"])
+    assert sum(b["op_shares"].values()) == pytest.approx(1.0)
+    # every scored token went through every MatMul weight once (the lm_head included)
+    assert r["profile"]["matmul_flops"] == 2 * out["model"]["matmul_params"] * scored
+    # the peak was measured at the Score calls' own shapes too (2 sequences of 256 a call)
+    V = out["model"]["vocab_size"]
+    assert f"512x64x{V}" in r["peak_by_shape"] and f"2048x64x{V}" in r["peak_by_shape"]
+    assert b["explained"]["product"] == pytest.approx(b["fraction"])
+    assert b["attention"]["computed_gflops"] > b["attention"]["causal_gflops"] > 0
+    text = S.render({"meta": {"date": "d", "machine": "m", "threads": 1, "rounds": 1,
+                              "load_before": 0.0, "load_after": 0.0}, "sizes": {"tiny": out}})
+    assert f"| tiny | {b['tok_s']:,.0f} | " in text
+
+
 def test_decode_cost_end_to_end(tiny_artifact, tmp_path):
     from kvserve.bench import decode_cost
 
