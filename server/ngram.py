@@ -102,48 +102,30 @@ def propose(tokens: list[int], k: int, min_n: int = MIN_N, max_n: int = MAX_N) -
 
 
 class AdaptiveK:
-    """A sequence's draft length: the one with the most expected tokens per unit of step cost.
+    """A sequence's acceptance estimate, from which its draft length is chosen
+    (``server.speculation`` weighs every row of a batch together: ``best_positions``).
 
-    Acceptance is modelled per draft token: ``a`` is the probability that a draft token is
+    Acceptance is modelled per draft token: ``rate`` is the probability that a draft token is
     accepted when the ones before it were (estimated from recent verifications: of m accepted
-    out of K, m successes and one failure unless m == K), so a draft of K tokens yields
-    E(K) = 1 + a + ... + a^K tokens. ``cost(S)`` is a call of S positions a row over a plain
-    step (``server.step_costs``); K maximises E(K) / cost(K + 1) over 0 .. the cap (K = 0:
-    the plain step, 1 / 1). Drafts that keep failing lower ``a`` until no draft pays for
-    itself; then it drafts no more, the old failures fading step by step towards the prior, and
-    probes with one token every ``probe_every`` steps, so the estimate keeps up with the
-    text."""
+    out of K, m successes and one failure unless m == K, with older ones decayed), so a draft
+    of K tokens is expected to yield ``expected(rate, K)`` = 1 + a + ... + a^K tokens. While
+    its drafts are not used (they would not pay for their cost) its old failures fade towards
+    the prior (``fade``), so that drafting resumes when the text may have changed."""
 
-    def __init__(self, k_max: int, probe_every: int = 8, prior: float = 0.6):
+    def __init__(self, k_max: int, prior: float = 0.6):
         if not 0 <= k_max <= MAX_K:
             raise ValueError(f"speculative tokens must be in [0, {MAX_K}], got {k_max}")
-        self.k_max, self.probe_every, self.prior = k_max, probe_every, prior
+        self.k_max, self.prior = k_max, prior
         self.hits, self.trials = 2 * prior, 2.0  # decayed counts (a prior worth 2 trials)
-        self.idle = 0  # steps since the last draft while switched off
 
     @property
     def rate(self) -> float:
         """The estimated acceptance of a draft token whose predecessors were accepted."""
         return self.hits / self.trials
 
-    def k(self, cap: int | None = None, cost=None) -> int:
-        """This step's draft length (``cap``: the room left; ``cost``: positions -> relative
-        cost, default ``step_costs``' prior)."""
-        top = self.k_max if cap is None else min(self.k_max, cap)
-        if top <= 0:
-            return 0
-        k = best_k(self.rate, top, cost or _prior_cost)
-        if k:
-            return k
-        # not drafting: old failures fade (towards the prior), so that drafting resumes when
-        # the text may have changed; a probe every probe_every steps in any case
-        self.hits = _IDLE_DECAY * self.hits + (1 - _IDLE_DECAY) * 2 * self.prior
-        self.trials = _IDLE_DECAY * self.trials + (1 - _IDLE_DECAY) * 2
-        self.idle += 1
-        if self.idle < self.probe_every:
-            return 0
-        self.idle = 0
-        return 1  # a probe
+    def k(self, cap: int | None = None) -> int:
+        """The longest draft this sequence offers (``cap``: the room left)."""
+        return max(0, self.k_max if cap is None else min(self.k_max, cap))
 
     def update(self, drafted: int, accepted: int) -> None:
         """After a verification: ``accepted`` of ``drafted`` draft tokens were kept."""
@@ -151,25 +133,41 @@ class AdaptiveK:
             return
         self.hits = _DECAY * self.hits + accepted
         self.trials = _DECAY * self.trials + accepted + (accepted < drafted)
-        self.idle = 0
+
+    def fade(self) -> None:
+        """A step where its draft was not used: the estimate moves a little towards the prior."""
+        self.hits = _IDLE_DECAY * self.hits + (1 - _IDLE_DECAY) * 2 * self.prior
+        self.trials = _IDLE_DECAY * self.trials + (1 - _IDLE_DECAY) * 2
 
 
 _DECAY = 0.8  # weight of the earlier verifications in the acceptance estimate, per update
-_IDLE_DECAY = 0.9  # ... and per step without a draft
+_IDLE_DECAY = 0.9  # ... and per step whose draft was not used
 
 
-def _prior_cost(positions: int) -> float:
-    return 1.0 + PRIOR_PER_POSITION * (positions - 1)
-
-
-def best_k(a: float, top: int, cost) -> int:
-    """The K in 0 .. top with the most expected tokens E(K) = 1 + a + ... + a^K per cost(K + 1)
-    (ties: the shorter)."""
-    best, best_k_, e, p = 1.0 / cost(1), 0, 1.0, 1.0
-    for k in range(1, top + 1):
+def expected(a: float, k: int) -> list[float]:
+    """[E(0), .., E(k)]: the tokens a draft of j tokens is expected to yield, 1 + a + .. + a^j."""
+    out, e, p = [1.0], 1.0, 1.0
+    for _ in range(k):
         p *= a
         e += p
-        v = e / cost(k + 1)
+        out.append(e)
+    return out
+
+
+def best_positions(rows: list[tuple[float, int]], cost) -> int:
+    """The positions S a row (1 + the longest draft used) for a batch whose rows offer drafts
+    of ``len`` tokens with acceptance ``a`` (``rows``: (a, len) each; a row without a draft:
+    len 0): the S with the most expected tokens per ``cost(S)`` (a call of S positions a row
+    over a plain step), every row using up to S - 1 of its tokens (the padding is paid
+    anyway). S = 1 is the plain step. Ties: the shorter."""
+    top = max((k for _, k in rows), default=0)
+    if top == 0:
+        return 1
+    gains = [expected(a, k) for a, k in rows]
+    best, best_s = len(rows) / cost(1), 1
+    for s in range(2, top + 2):
+        tokens = sum(g[min(len(g) - 1, s - 1)] for g in gains)
+        v = tokens / cost(s)
         if v > best * (1 + 1e-9):
-            best, best_k_ = v, k
-    return best_k_
+            best, best_s = v, s
+    return best_s

@@ -9,10 +9,12 @@ tokens the plain path would have produced (greedy and seeded sampling alike).
 Four things keep it from costing speed:
 - per sequence, lookups that find nothing are made less often (every 2, then 4 steps), so a
   sequence that never repeats itself costs little Python;
-- per sequence, ``ngram.AdaptiveK``: the draft length with the most expected tokens per second,
-  from the sequence's measured acceptance and the measured cost of each extra position
-  (``server.step_costs``), down to no drafts (with an occasional probe) while drafts keep
-  failing;
+- per step, the draft length is weighed for the whole batch (``ngram.best_positions``): each
+  row's draft is expected to yield 1 + a + ... + a^K tokens (a: that sequence's measured
+  acceptance per draft token, ``ngram.AdaptiveK``), the call costs what the engine measured for
+  that many positions a row at that batch size (``server.step_costs``), and the step takes the
+  length with the most expected tokens per second (all rows' drafts cut to it: the padding is
+  paid anyway), or a plain step when no draft pays;
 - per engine, ``Backoff``: the tokens the verification steps of a window yield per second are
   compared with the plain step's at the same batch size (a plain step is taken now and then to
   keep that figure fresh); a window that yields fewer pauses speculation (the batch is
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ngram import AdaptiveK, NgramIndex
+from .ngram import AdaptiveK, NgramIndex, best_positions
 from .sequence import Sequence
 from .step_costs import StepCosts
 
@@ -119,36 +121,43 @@ class Speculator:
             return None
         if not self.backoff.allow(len(active)):
             return None
-        out: list[list[int]] = []
-        any_draft = False
         n = len(active)
-        cost = self.costs.relative
-        for seq in active:
-            d = seq.drafting
-            if d is None:
-                out.append([])
-                continue
-            if d.skip:  # its last lookups found nothing: it looks again less often
-                d.skip -= 1
-                out.append([])
-                continue
-            gen = seq.generated
-            if d.indexed < len(gen):  # tokens chosen since the last look
-                d.index.extend(gen[d.indexed:])
-                d.indexed = len(gen)
-            # room: the draft's tokens and the one after them are new tokens of the sequence
-            room = min(seq.req.stopping.max_new_tokens - len(gen),
-                       self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
-            k = d.k.k(room, lambda positions: cost(n, positions))
-            draft = d.index.propose(k) if k > 0 else []
-            if k > 0 and not draft:
-                d.empty += 1
-                d.skip = min(1 << d.empty, _MAX_SKIP) - 1
-            elif draft:
-                d.empty = 0
-            out.append(draft)
-            any_draft = any_draft or bool(draft)
-        return out if any_draft else None
+        out = [self._propose(seq) for seq in active]
+        if not any(out):
+            return None
+        rows = [(s.drafting.k.rate if s.drafting is not None else 0.0, len(d))
+                for s, d in zip(active, out)]
+        S = best_positions(rows, lambda positions: self.costs.relative(n, positions))
+        if S == 1:  # no draft pays for its positions at this batch size now: the rows'
+            for seq, d in zip(active, out):  # acceptance estimates fade towards the prior,
+                if d:  # so that in a while they are weighed (and then measured) again
+                    seq.drafting.k.fade()
+            return None
+        return [d[:S - 1] for d in out]
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """The longest draft ``seq`` offers this step ([]: none)."""
+        d = seq.drafting
+        if d is None:
+            return []
+        if d.skip:  # its last lookups found nothing: it looks again less often
+            d.skip -= 1
+            return []
+        gen = seq.generated
+        if d.indexed < len(gen):  # tokens chosen since the last look
+            d.index.extend(gen[d.indexed:])
+            d.indexed = len(gen)
+        # room: the draft's tokens and the one after them are new tokens of the sequence
+        room = min(seq.req.stopping.max_new_tokens - len(gen),
+                   self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
+        k = d.k.k(room)
+        draft = d.index.propose(k) if k > 0 else []
+        if k > 0 and not draft:
+            d.empty += 1
+            d.skip = min(1 << d.empty, _MAX_SKIP) - 1
+        elif draft:
+            d.empty = 0
+        return draft
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         if seq.drafting is not None and drafted:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve.server.ngram import MAX_K, AdaptiveK, NgramIndex, best_k, propose
+from kvserve.server.ngram import MAX_K, AdaptiveK, NgramIndex, best_positions, expected, propose
 
 
 @pytest.mark.parametrize("tokens,k,want", [
@@ -93,43 +93,45 @@ def test_per_call_cost_at_4k_tokens():
     assert len(idx) == 4096 + 2000
 
 
-def test_adaptive_k_follows_acceptance():
-    cheap = lambda positions: 1.0 + 0.05 * (positions - 1)  # noqa: E731
-    a = AdaptiveK(8, probe_every=4)
-    first = a.k(cost=cheap)
-    assert 1 <= first <= 8
-    for _ in range(12):  # drafts that fail: shorter, then off ...
-        a.update(max(1, a.k(cost=cheap)), 0)
-    ks = [a.k(cost=cheap) for _ in range(4)]
-    assert ks[0] == 0 and 1 in ks  # ... until the failures fade (a draft costs little here)
-    a.update(1, 1)  # the probe was accepted: back on, growing with the acceptance
-    ks = []
-    for _ in range(10):
-        k = a.k(cost=cheap)
-        ks.append(k)
-        a.update(k, k)
-    assert ks[0] >= 1 and ks[-1] == 8 and ks == sorted(ks)
-    assert a.k(cap=0) == 0 and a.k(cap=2, cost=cheap) == 2  # the room left
+def test_the_acceptance_estimate_follows_the_verifications():
+    a = AdaptiveK(8)
+    assert a.rate == pytest.approx(0.6) and a.k() == 8 and a.k(cap=3) == 3 and a.k(cap=0) == 0
+    for _ in range(10):  # drafts of 4, all accepted
+        a.update(4, 4)
+    assert a.rate > 0.95
+    for _ in range(20):  # drafts of 4, the first token rejected each time
+        a.update(4, 0)
+    assert a.rate < 0.1
+    for _ in range(40):  # drafts not used: back towards the prior
+        a.fade()
+    assert a.rate == pytest.approx(0.6, abs=0.05)
     assert AdaptiveK(0).k() == 0
     with pytest.raises(ValueError, match="speculative tokens"):
         AdaptiveK(MAX_K + 1)
 
 
+def test_expected_tokens_of_a_draft():
+    assert expected(0.5, 3) == pytest.approx([1, 1.5, 1.75, 1.875])
+    assert expected(0.0, 2) == [1.0, 1.0, 1.0]
+
+
 @pytest.mark.parametrize("a", [0.05, 0.3, 0.6, 0.9, 0.99])
 @pytest.mark.parametrize("per", [0.02, 0.1, 0.5, 2.0])
-def test_best_k_maximises_expected_tokens_per_cost(a, per):
+def test_one_row_takes_the_length_with_most_expected_tokens_per_cost(a, per):
     cost = lambda positions: 1.0 + per * (positions - 1)  # noqa: E731
     value = [sum(a ** i for i in range(k + 1)) / cost(k + 1) for k in range(9)]
-    k = best_k(a, 8, cost)
+    k = best_positions([(a, 8)], cost) - 1
     assert value[k] == pytest.approx(max(value), rel=1e-9)
     assert k == min(i for i, v in enumerate(value) if v >= max(value) * (1 - 1e-9))
 
 
-def test_drafting_stops_where_a_draft_cannot_pay_for_itself():
-    dear = lambda positions: 1.0 + 1.5 * (positions - 1)  # noqa: E731
-    a = AdaptiveK(8, probe_every=4)
-    for _ in range(6):  # drafts of 2, half of each accepted
-        a.update(2, 1)
-    assert a.rate < 0.6
-    assert [a.k(cost=dear) for _ in range(4)] == [0, 0, 0, 1]  # a probe keeps it measured
-    assert a.k(cost=lambda positions: 1.0) == 8  # free positions: the longest draft
+def test_a_batch_weighs_every_row_against_the_padding():
+    """Batch 8 where 8 extra positions a row double the call: one good row's long draft does
+    not pay for the other rows' padding; eight good rows' drafts do."""
+    cost = lambda positions: 1.0 + 0.125 * (positions - 1)  # noqa: E731
+    one = [(0.9, 8)] + [(0.0, 0)] * 7
+    assert best_positions(one, cost) == 1  # 7 + 6.1 tokens for 2x the time: plain is better
+    assert best_positions([(0.9, 8)] * 8, cost) == 9  # 48.8 tokens for 2x the time
+    assert best_positions([(0.9, 2)] * 7 + [(0.9, 8)], cost) == 3  # (not padded to the long one)
+    assert best_positions([(0.6, 0)] * 4, cost) == 1  # no drafts: plain
+
