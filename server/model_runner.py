@@ -190,7 +190,6 @@ class ModelRunner:
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
-        self.costs.plain_step(n, now - t0)
         if self.spec is not None:
             self.spec.backoff.plain_step(n)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
@@ -208,6 +207,9 @@ class ModelRunner:
                         for h in seq.req.output.attention_heads]
             self.choose(seq, logits[i], rows, argmax[i] if plain[i] else None,
                         premasked=bool(masks), now=now)
+        # the drafters weigh whole steps: the call and the tokens' handling after it (a
+        # verification walks its rows token by token, a plain step takes one argmax)
+        self.costs.plain_step(n, time.monotonic() - t0)
 
     def _constrained(self, active: list[Sequence]) -> list:
         """The batch's constrained rows whose masks are made while the model runs, where it runs
@@ -252,9 +254,10 @@ class ModelRunner:
             elif self.spec is not None:
                 self.spec.record(seq, len(draft), accepted)
                 self.metrics.speculated(len(draft), accepted)
-        self.costs.verify_step(n, max(map(len, rows)), now - t0)
+        seconds = time.monotonic() - t0  # (the whole step, as the plain one's)
+        self.costs.verify_step(n, max(map(len, rows)), seconds)
         if ngram:
-            self.spec.backoff.verify_step(n, now - t0, emitted - forced)
+            self.spec.backoff.verify_step(n, seconds, emitted - forced)
 
     def _take(self, seq: Sequence, row: np.ndarray, now: float) -> int:
         """The token ``seq`` takes from a verification's ``row`` (its plain path's choice)."""

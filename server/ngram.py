@@ -110,7 +110,9 @@ class AdaptiveK:
     out of K, m successes and one failure unless m == K, with older ones decayed), so a draft
     of K tokens is expected to yield ``expected(rate, K)`` = 1 + a + ... + a^K tokens. While
     its drafts are not used (they would not pay for their cost) its old failures fade towards
-    the prior (``fade``), so that drafting resumes when the text may have changed."""
+    the prior (``fade``), so that drafting resumes when the text may have changed. The prior is
+    the engine's acceptance over all its sequences (``Speculator``), so a new sequence starts
+    from what this model's drafts have earned so far."""
 
     def __init__(self, k_max: int, prior: float = 0.6):
         if not 0 <= k_max <= MAX_K:
@@ -134,8 +136,11 @@ class AdaptiveK:
         self.hits = _DECAY * self.hits + accepted
         self.trials = _DECAY * self.trials + accepted + (accepted < drafted)
 
-    def fade(self) -> None:
-        """A step where its draft was not used: the estimate moves a little towards the prior."""
+    def fade(self, prior: float | None = None) -> None:
+        """A step where its draft was not used: the estimate moves a little towards the prior
+        (``prior``: a newer one)."""
+        if prior is not None:
+            self.prior = prior
         self.hits = _IDLE_DECAY * self.hits + (1 - _IDLE_DECAY) * 2 * self.prior
         self.trials = _IDLE_DECAY * self.trials + (1 - _IDLE_DECAY) * 2
 

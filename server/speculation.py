@@ -37,6 +37,7 @@ _WINDOW = 16  # verification steps whose tokens and seconds are weighed together
 _PAUSE = 16  # plain steps of a first pause; doubled while windows keep losing ...
 _PAUSE_MAX = 256  # ... up to this
 _MAX_SKIP = 4  # steps between lookups of a sequence whose lookups keep finding nothing
+_PRIOR_DECAY = 0.99  # weight of the earlier verifications in the engine's acceptance
 _WORTH = 1.0  # speculation goes on while it yields at least this x the plain tokens/s
 
 
@@ -99,6 +100,7 @@ class Speculator:
         self.costs = costs if costs is not None else StepCosts()
         self.backoff = Backoff(self.costs)
         self.drafted = self.accepted = 0  # totals (metrics)
+        self._hits, self._trials = 0.6 * 4, 4.0  # the engine's acceptance (decayed counts)
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -109,7 +111,8 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         # a constrained row drafts the tokens its grammar forces instead (server.fast_forward)
         if self.eligible(seq) and seq.req.constraint is None:
-            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
+            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids),
+                                    AdaptiveK(self.k_max, prior=self.acceptance))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -131,7 +134,7 @@ class Speculator:
         if S == 1:  # no draft pays for its positions at this batch size now: the rows'
             for seq, d in zip(active, out):  # acceptance estimates fade towards the prior,
                 if d:  # so that in a while they are weighed (and then measured) again
-                    seq.drafting.k.fade()
+                    seq.drafting.k.fade(self.acceptance)
             return None
         return [d[:S - 1] for d in out]
 
@@ -159,8 +162,16 @@ class Speculator:
             d.empty = 0
         return draft
 
+    @property
+    def acceptance(self) -> float:
+        """The engine's per-token acceptance over recent verifications of all sequences (the
+        prior of a sequence's own estimate)."""
+        return self._hits / self._trials
+
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         if seq.drafting is not None and drafted:
             seq.drafting.k.update(drafted, accepted)
+            self._hits = _PRIOR_DECAY * self._hits + accepted
+            self._trials = _PRIOR_DECAY * self._trials + accepted + (accepted < drafted)
         self.drafted += drafted
         self.accepted += accepted

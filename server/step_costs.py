@@ -1,6 +1,8 @@
-"""What the engine's model calls cost by shape, measured as they run: the seconds of a plain
-decode step at each batch size, and of each extra position a verification call feeds per row
-(``FusedLM.verify`` pads every row to the longest). The speculator and the forced-token
+"""What the engine's steps cost by shape, measured as they run: the seconds of a plain decode
+step at each batch size, and of each extra position a verification step feeds per row
+(``FusedLM.verify`` pads every row to the longest). A step is the model call and the handling
+of its tokens after it (a verification walks its rows token by token: at batch 8 on a small
+model that is a good part of the step). The speculator and the forced-token
 fast-forward choose their draft lengths from these figures; both see the same ones.
 
 The cost of a call of S positions a row at batch size n is modelled as
