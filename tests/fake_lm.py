@@ -130,3 +130,39 @@ class FakeLM:
         attn = [self._attn(int(kv.used[b]), 1)[:, :, 0] for b in range(n)] if attention \
             else None
         return logits, attn
+
+
+# --- shared by the fake-model engine tests (test_engine_fake, test_resume, test_events) -------
+def word_token_bytes(vocab_size: int):
+    """A word-level vocabulary for the fake model: token i is the text "t{i} " (stop strings
+    can match)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kvserve.server.detok import TokenBytes
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tb = TokenBytes(tok, vocab_size)
+    tb.table = [f"t{i} ".encode() for i in range(vocab_size)]
+    return tb
+
+
+def engine_maker(vocab_size: int, stream_interval: float, default_lm):
+    """(make, engines): ``make(lm=None, **engine_kwargs)`` starts an Engine on ``lm`` (default
+    ``default_lm()``) with small limits and returns (engine, lm); the caller stops ``engines``.
+    ``stream_interval`` 0: callers woken for every token; > 0: the server's staged way (plain
+    greedy sequences take the engine's lean steps)."""
+    from kvserve.server.engine import Engine
+
+    engines = []
+
+    def make(lm=None, **kw):
+        lm = lm or default_lm()
+        args = dict(max_batch=4, max_queue=16, score_chunk_floats=vocab_size * 64, eos_id=None,
+                    stream_interval=stream_interval)
+        args.update(kw)
+        e = Engine(lm, word_token_bytes(vocab_size), **args)
+        e.start()
+        engines.append(e)
+        return e, lm
+    return make, engines

@@ -7,8 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_lm import FakeLM
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fake_lm import FakeLM, engine_maker, word_token_bytes
 
 from kvserve.model.sampling import SamplingParams, log_softmax
 from kvserve.server.detok import TokenBytes
@@ -20,13 +19,7 @@ V = 64
 
 
 def _token_bytes() -> TokenBytes:
-    """A word-level vocabulary: token i is the text "t{i} " (stop strings can match)."""
-    vocab = {f"t{i}": i for i in range(V)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tb = TokenBytes(tok, V)
-    tb.table = [f"t{i} ".encode() for i in range(V)]
-    return tb
+    return word_token_bytes(V)
 
 
 @pytest.fixture(params=[0.0, 0.05], ids=["woken-per-token", "staged"])
@@ -34,17 +27,7 @@ def make_engine(request):
     """Engines whose callers are woken for every token, or at most every 50 ms (the
     server's way: a plain greedy sequence then takes the engine's lean steps, its tokens'
     text and events made when its caller is woken)."""
-    engines = []
-
-    def make(lm=None, **kw):
-        lm = lm or FakeLM(V)
-        args = dict(max_batch=4, max_queue=16, score_chunk_floats=V * 64, eos_id=None,
-                    stream_interval=request.param)
-        args.update(kw)
-        e = Engine(lm, _token_bytes(), **args)
-        e.start()
-        engines.append(e)
-        return e, lm
+    make, engines = engine_maker(V, request.param, lambda: FakeLM(V))
     yield make
     for e in engines:
         e.stop()

@@ -10,15 +10,13 @@ import dataclasses
 import re
 
 import pytest
-from fake_lm import FakeLM
-from tokenizers import Tokenizer, models, pre_tokenizers
+from fake_lm import FakeLM, engine_maker, word_token_bytes
 
 from kvserve.model.sampling import SamplingParams
 from kvserve.server import resume
 from kvserve.server.detok import TokenBytes
 from kvserve.server.domain import (FinishReason, GenerateRequest, InvalidArgument, OutputParams,
                                    StopParams, TokenEvent)
-from kvserve.server.engine import Engine
 from kvserve.server.interfaces import NullMetrics
 
 V = 64
@@ -27,12 +25,7 @@ SEEDED = SamplingParams(temperature=0.9, seed=1234)
 
 
 def _token_bytes() -> TokenBytes:
-    """A word-level vocabulary: token i is the text "t{i} " (stop strings can match)."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tb = TokenBytes(tok, V)
-    tb.table = [f"t{i} ".encode() for i in range(V)]
-    return tb
+    return word_token_bytes(V)
 
 
 class CountingLM(FakeLM):
@@ -65,17 +58,7 @@ class FirstTokens(NullMetrics):
 
 @pytest.fixture(params=[0.0, 0.05], ids=["woken-per-token", "staged"])
 def make_engine(request):
-    engines = []
-
-    def make(lm=None, **kw):
-        lm = lm or CountingLM(V)
-        args = dict(max_batch=4, max_queue=16, score_chunk_floats=V * 64, eos_id=None,
-                    stream_interval=request.param)
-        args.update(kw)
-        e = Engine(lm, _token_bytes(), **args)
-        e.start()
-        engines.append(e)
-        return e, lm
+    make, engines = engine_maker(V, request.param, lambda: CountingLM(V))
     yield make
     for e in engines:
         e.stop()
