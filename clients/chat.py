@@ -10,6 +10,7 @@ is said in one line before the first prompt and the command exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import signal
 import sys
@@ -47,8 +48,10 @@ def main(args: argparse.Namespace) -> int:
     history = _fresh(args)
     opts = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                 max_new_tokens=args.max_new_tokens)
-    with client_from_args(args) as client:
-        why = _cannot_chat(client, args.server)
+    with contextlib.ExitStack() as stack:
+        with _sigint_blocked():
+            client = stack.enter_context(client_from_args(args))
+            why = _cannot_chat(client, args.server)
         if why:
             print(f"kvserve chat: {why}", file=sys.stderr, flush=True)
             return 1
@@ -85,6 +88,23 @@ def main(args: argparse.Namespace) -> int:
                 history.append({"role": "assistant", "content": ""})
             if rc is not None:
                 return rc
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT blocked in this thread for the block: threads started in it (gRPC's, by the
+    channel and its first call) inherit it blocked, so a Ctrl-C always reaches the main thread.
+    Delivered to one of gRPC's threads, it would leave readline's select() waiting until the
+    next key (Python runs signal handlers in the main thread only, and nothing wakes it). A
+    no-op where the platform has no pthread_sigmask."""
+    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _cannot_chat(client, server: str) -> str:
