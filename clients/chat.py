@@ -48,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     history = _fresh(args)
     opts = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                 max_new_tokens=args.max_new_tokens)
+    _own_ctrl_c()
     with contextlib.ExitStack() as stack:
         with _sigint_blocked():
             client = stack.enter_context(client_from_args(args))
@@ -88,6 +89,22 @@ def main(args: argparse.Namespace) -> int:
                 history.append({"role": "assistant", "content": ""})
             if rc is not None:
                 return rc
+
+
+def _own_ctrl_c() -> None:
+    """Ctrl-C at the prompt clears the line (a KeyboardInterrupt in ``input``), whatever this
+    process inherited: a parent that ignored SIGINT or blocked it when it started us would
+    otherwise leave Ctrl-C doing nothing."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _no_sigint_here() -> None:
+    """For a helper thread: SIGINT blocked in it (and in the threads gRPC starts from it), so
+    the kernel delivers a Ctrl-C to the main thread, where Python runs its handler."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 @contextlib.contextmanager
@@ -140,6 +157,7 @@ def _turn(client, history: list[dict], opts: dict, stats: bool, server: str) -> 
     stop = threading.Event()
 
     def pump() -> None:
+        _no_sigint_here()
         try:
             for ev in client.generate_stream(list(history), on_call=calls.append, **opts):
                 events.put(ev)
@@ -149,6 +167,7 @@ def _turn(client, history: list[dict], opts: dict, stats: bool, server: str) -> 
             events.put(_END)
 
     def cancel_all() -> None:
+        _no_sigint_here()
         for call in list(calls):
             call.cancel()  # the server stops this answer and frees the slot
 

@@ -3,6 +3,7 @@ history grows turn by turn, Ctrl-C stops the current answer (the server cancels 
 session goes on, /reset clears the history, Ctrl-D quits with 0."""
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import pty
@@ -40,7 +41,7 @@ class Pty:
         end = time.monotonic() + timeout
         while not re.search(pattern, self.buf):
             left = end - time.monotonic()
-            assert left > 0, f"no {pattern!r} in {self.buf[-2000:]!r}"
+            assert left > 0, f"no {pattern!r} in {self.buf[-2000:]!r}; {self.signal_state()}"
             r, _, _ = select.select([self.fd], [], [], left)
             if r:
                 try:
@@ -52,6 +53,23 @@ class Pty:
         m = re.search(pattern, self.buf)
         got, self.buf = self.buf[:m.end()], self.buf[m.end():]
         return got
+
+    def signal_state(self) -> str:
+        """Each thread of the program: its syscall and its pending, blocked and caught signal
+        masks (/proc), for a failure message (where a Ctrl-C went)."""
+        rows = []
+        for task in sorted(glob.glob(f"/proc/{self.pid}/task/*")):
+            try:
+                with open(f"{task}/status") as f:
+                    st = dict(line.split(":", 1) for line in f if ":" in line)
+                with open(f"{task}/syscall") as f:
+                    nr = f.read().split(maxsplit=1)[0]
+            except (OSError, IndexError):
+                continue
+            rows.append(f"{st['Name'].strip()} syscall {nr} " + " ".join(
+                f"{k} {st[k].strip()}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn",
+                                                 "SigCgt")))
+        return "threads: " + "; ".join(rows)
 
     def send(self, data: bytes) -> None:
         os.write(self.fd, data)
