@@ -128,7 +128,9 @@ def served(artifact_dir, tmp: Path, *extra, env=None, step_delay: float = 0.0):
 
 def slow_decode(monkeypatch, app, seconds: float) -> None:
     """In-process: every model step of ``app`` (decode, and speculation's verify) sleeps
-    ``seconds`` first (a slow model)."""
+    ``seconds`` first (a slow model), and makes one token (speculation off: on the looping
+    test model a verification yields up to 9, and the tests pace requests by steps)."""
+    monkeypatch.setattr(app.engine.runner, "spec", None)
     for name in ("decode", "verify"):
         orig = getattr(app.lm, name)
 

@@ -33,8 +33,9 @@ def wait_for(cond, timeout=5.0):
 
 
 def _slowed(monkeypatch, app, seconds: float) -> None:
-    """Every decode step of ``app`` sleeps first: a generation outlasts the test's next steps
-    on a loaded machine (240 tokens of the tiny model otherwise take ~50 ms)."""
+    """Every decode step of ``app`` sleeps first, and makes one token (speculation off: a
+    verification of the looping test model yields up to 9): a generation outlasts the test's
+    next steps on a loaded machine (240 tokens of the tiny model otherwise take ~50 ms)."""
     decode = app.lm.decode
 
     def slow(*a, **kw):
@@ -42,6 +43,7 @@ def _slowed(monkeypatch, app, seconds: float) -> None:
         return decode(*a, **kw)
 
     monkeypatch.setattr(app.lm, "decode", slow)
+    monkeypatch.setattr(app.engine.runner, "spec", None)
 
 
 def test_cancellation_frees_the_slot(stub, app, monkeypatch):

@@ -104,6 +104,7 @@ def test_a_drain_moves_the_streams_of_clients_that_resume(artifact, monkeypatch)
             return decode(*a, **kw)
 
         monkeypatch.setattr(app.lm, "decode", held)
+        monkeypatch.setattr(app.engine.runner, "spec", None)  # every step a held decode
         ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         stub = pb_grpc.InferenceStub(ch)
         movable = stub.Generate(_resumed(gen_request(PROMPT, 200), []), timeout=60)
