@@ -100,17 +100,17 @@ class ModelRunner:
                     seq.feed = seq.forced.popleft()
                     continue
                 last = self._extend(lo + b, ids, n)
-                self._cache_prompt(lo + b, seq)
                 self.choose(seq, last, None)
+                self._cache_prompt(lo + b, seq)
                 continue
             rows = None
             if attention:  # the last prompt token's attention over the prompt
                 rows = [(layer, h, res.attention[b][layer, h, n - 1])
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            else:
-                self._cache_prompt(lo + b, seq)
             self.choose(seq, res.logits[b][-1], rows)
+            if not attention:
+                self._cache_prompt(lo + b, seq)
 
     def _prefill_cached(self, seq: Sequence) -> None:
         """One sequence: its prompt's longest cached prefix restored, the rest prefilled."""
@@ -127,10 +127,13 @@ class ModelRunner:
         self.metrics.prefix_hit(n)
         active.append(seq)
         last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
-        self._cache_prompt(slot, seq)
         self.choose(seq, last, None)
+        self._cache_prompt(slot, seq)
 
     def _cache_prompt(self, slot: int, seq: Sequence) -> None:
+        """The prompt's rows into the prefix cache: after its first token was chosen (and its
+        caller woken), so the copy is not part of the time to first token; before the next
+        sequence of the same admission is prefilled, so that one finds them."""
         if self.prefix is not None:
             self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
 

@@ -51,17 +51,22 @@ class NgramIndex:
     def append(self, token: int) -> None:
         """One more token of the sequence: the n-grams ending just before it now have a
         follower, so they become proposable."""
-        t = self.tokens
-        end = len(t)
-        t.append(token)
-        for i, table in enumerate(self._last):
-            n = self.min_n + i
-            if end >= n:
-                table[tuple(t[end - n:end])] = end
+        self.extend((token,))
 
     def extend(self, tokens: Iterable[int]) -> None:
-        for tok in tokens:
-            self.append(int(tok))
+        """More tokens of the sequence. Per n, one ``dict.update`` whose keys are made by
+        ``zip`` over shifted slices (in C: a 700-token prompt's index takes ~0.2 ms, where a
+        Python loop over its tokens took ~1 ms, all of it before the request's first token)."""
+        t = self.tokens
+        old = len(t)
+        t.extend(int(x) for x in tokens)
+        L = len(t)
+        for i, table in enumerate(self._last):
+            n = self.min_n + i
+            e0 = max(old, n)  # the n-grams that end at e0 .. L-1 gained a follower
+            if e0 < L:  # (the most recent occurrence wins: later keys overwrite earlier)
+                table.update(zip(zip(*(t[e0 - n + j:L - n + j] for j in range(n))),
+                                 range(e0, L)))
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` draft tokens (fewer or none when nothing matches)."""

@@ -72,6 +72,27 @@ def test_incremental_index_equals_a_rescan():
     assert checked == 7200 and matched > 3000  # the sequences did repeat
 
 
+def test_bulk_extend_equals_token_by_token():
+    """``extend`` by chunks of any size (a prompt, then the tokens of a verification) gives
+    the index that appending one token at a time gives: every proposal the same."""
+    rnd = random.Random(11)
+    for trial in range(40):
+        vocab = rnd.choice([2, 4, 30])
+        min_n = rnd.choice([1, 2, 3])
+        max_n = min_n + rnd.choice([0, 2])
+        bulk, seq = NgramIndex(min_n=min_n, max_n=max_n), []
+        while len(seq) < 300:
+            chunk = [rnd.randrange(vocab) for _ in range(rnd.choice([0, 1, 2, 3, 9, 40]))]
+            bulk.extend(chunk)
+            seq += chunk
+            # the definition: per n, each n-gram -> the end of its latest occurrence that has
+            # a follower
+            assert bulk._last == [{tuple(seq[e - n:e]): e for e in range(n, len(seq))}
+                                  for n in range(min_n, max_n + 1)], trial
+            for k in (1, 4, 9):
+                assert bulk.propose(k) == propose(seq, k, min_n, max_n)
+
+
 def test_per_call_cost_at_4k_tokens():
     """The cost the engine pays per sequence per step at a 4,096-token context: one append
     and one propose (printed; timing is never asserted on a shared machine)."""
