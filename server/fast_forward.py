@@ -19,8 +19,9 @@ the CPU provider (2 cores, 100M, batch 8) a call of 17 positions a row cost ~9x 
 (5 positions ~2.8x, 2 ~1.5x) against ~1.5x at batch 1. So at batch 1 the whole forced run
 goes (one call of 1 + K positions is a short prefill: cheaper per token than K + 1 steps on
 any device); in a batch the draft length is the one that maximises the expected tokens per
-second, from the measured seconds of a plain step and of each extra padded position at that
-batch size (unmeasured: the whole run, which measures it).
+second, from what a call of that many positions a row costs over a plain step at that batch
+size (``StepCosts.relative``, the figures the n-gram speculator weighs too; unmeasured: the
+whole run, which measures it).
 """
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ from .ngram import MAX_K
 from .sequence import Sequence
 from .step_costs import StepCosts
 
-_FORGET = 0.9  # a batch-size's extra-position cost shrinks each time it refuses a forced run,
-# so that a figure inflated by one slow call is measured again after a few refusals
+_FORGET = 0.9  # what a batch size's verifications cost beyond a plain step shrinks each time
+# it refuses a forced run, so that a figure inflated by one slow call is measured again after a
+# few refusals
 
 
 class FastForward:
@@ -86,12 +88,12 @@ class FastForward:
         top = max(lens)
         if n == 1:
             return top
-        plain, per = self.costs.plain.get(n), self.costs.per_position.get(n)
-        if plain is None or per is None:
+        if not self.costs.measured(n):
             return top  # not measured at this batch size: the call measures it
-        best_k, best = 0, n / (plain + per * n * k_base)
+        cost = self.costs.relative  # (a call of S positions a row over a plain step)
+        best_k, best = 0, n / cost(n, 1 + k_base)
         for k in sorted(set(lens)):
-            rate = (n + sum(min(m, k) for m in lens)) / (plain + per * n * max(k, k_base))
+            rate = (n + sum(min(m, k) for m in lens)) / cost(n, 1 + max(k, k_base))
             if rate > best:
                 best_k, best = k, rate
         if not best_k:

@@ -193,8 +193,6 @@ class ModelRunner:
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
-        if self.spec is not None:
-            self.spec.backoff.plain_step(n)
         # the plain greedy rows (no penalties, nothing banned at this step) take one argmax
         # over the batch (V,) rows at once: the same token sample_row would pick
         plain = [_greedy(s) for s in active]
@@ -212,7 +210,9 @@ class ModelRunner:
                         premasked=bool(masks), now=now)
         # the drafters weigh whole steps: the call and the tokens' handling after it (a
         # verification walks its rows token by token, a plain step takes one argmax)
-        self.costs.plain_step(n, time.monotonic() - t0)
+        steady = self.costs.plain_step(n, time.monotonic() - t0)
+        if self.spec is not None:
+            self.spec.backoff.plain_step(n, steady)
 
     def _constrained(self, active: list[Sequence]) -> list:
         """The batch's constrained rows whose masks are made while the model runs, where it runs

@@ -16,8 +16,8 @@ Four things keep it from costing speed:
   length with the most expected tokens per second (all rows' drafts cut to it: the padding is
   paid anyway), or a plain step when no draft pays;
 - per engine, ``Backoff``: the tokens the verification steps of a window yield per second are
-  compared with the plain step's at the same batch size (a plain step is taken now and then to
-  keep that figure fresh); a window that yields fewer pauses speculation (the batch is
+  compared with the plain step's at the same batch size (two plain steps are taken now and
+  then to keep that figure fresh); a window that yields fewer pauses speculation (the batch is
   compute-bound, or the drafts are poor), for longer each time it happens again in a row.
   Sums over a window, not step by step, so that one step slowed by another process does not
   switch it off;
@@ -32,7 +32,7 @@ from .ngram import AdaptiveK, NgramIndex, best_positions
 from .sequence import Sequence
 from .step_costs import StepCosts
 
-_REFRESH = 32  # verification steps between two plain steps at a batch size (a fresh figure)
+_REFRESH = 32  # verification steps between two refreshes of the plain figure at a batch size
 _WINDOW = 16  # verification steps whose tokens and seconds are weighed together
 _PAUSE = 16  # plain steps of a first pause; doubled while windows keep losing ...
 _PAUSE_MAX = 256  # ... up to this
@@ -70,8 +70,12 @@ class Backoff:
             return False
         return n in self.costs.plain and self.since_plain.get(n, 0) < _REFRESH
 
-    def plain_step(self, n: int) -> None:
-        self.since_plain[n] = 0
+    def plain_step(self, n: int, steady: bool = True) -> None:
+        """A plain step at batch size ``n``; ``steady``: its seconds were measured (it followed
+        a plain step at ``n``): a fresh figure, so verification may go on for ``_REFRESH``
+        steps (a refresh is two plain steps: the first one pays for the change of shape)."""
+        if steady:
+            self.since_plain[n] = 0
 
     def verify_step(self, n: int, seconds: float, tokens: int) -> None:
         self.since_plain[n] = self.since_plain.get(n, 0) + 1

@@ -1,66 +1,100 @@
 """What the engine's steps cost by shape, measured as they run: the seconds of a plain decode
-step at each batch size, and of each extra position a verification step feeds per row
-(``FusedLM.verify`` pads every row to the longest). A step is the model call and the handling
-of its tokens after it (a verification walks its rows token by token: at batch 8 on a small
-model that is a good part of the step). The speculator and the forced-token
+step at each batch size, and what a verification step of S positions a row costs relative to
+it (``FusedLM.verify`` pads every row to the longest). A step is the model call and the
+handling of its tokens after it (a verification walks its rows token by token: at batch 8 on
+a small model that is a good part of the step). The speculator and the forced-token
 fast-forward choose their draft lengths from these figures; both see the same ones.
 
-The cost of a call of S positions a row at batch size n is modelled as
-``plain(n) + per_position(n) * n * (S - 1)``: on the CPU provider, 2 cores, the default trained
-model at batch 1 measured 1.09, 1.13, 1.25, 1.38, 1.51, 1.78, 1.95 x a plain step for S = 2, 3,
-4, 5, 6, 8, 9 (close to linear past the first extra position); 100M at batch 8, 2.8x at S = 5
-and ~9x at S = 17.
+Each shape (batch size n, positions S) keeps its own figure: the median of its recent
+calls' seconds over the plain step's. One slope per batch size (``plain + per_position * n *
+(S - 1)``) was tried first and misled: the step from one position to two costs far more than
+each one after it (the 6M model at batch 8 on the CPU provider, 2 cores: a plain step 612 us,
+S = 2, 3, 4, 5 1,173, 1,606, 1,927, 2,247 us), so a slope fitted on the longer calls priced
+S = 2 at ~1.5x where it cost ~1.9x (2.3x with its tokens' handling), and the engine took
+verification steps that lost speed. A shape not measured yet is priced by interpolation
+between the measured ones (S = 1 is 1.0), beyond the longest one along the last segment's
+slope, and with nothing measured at that batch size by an optimistic prior, so that it is
+tried, and measured, once.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 
 _EMA = 0.2  # weight of the newest plain step's seconds
-_SAMPLES = 9  # an extra position's cost: the median of this many recent verifications (one
-# call slowed by another process moves a median little; it moves an average a lot)
-# before a batch size's verification is measured: an extra position a row costs this fraction
-# of a plain step per row (optimistic, so that the first verification measures it)
+_SAMPLES = 9  # a shape's figure: the median of this many recent calls (one call slowed by
+# another process moves a median little; it moves an average a lot)
+# before a batch size's verification is measured: an extra position costs this fraction of a
+# plain step (optimistic, so that the first verification measures it)
 PRIOR_PER_POSITION = 0.05
 
 
 class StepCosts:
-    """Exponential averages of step seconds per batch size (``plain_step``, ``verify_step``
-    after each call) and the relative cost of a shape (``relative``)."""
+    """Plain-step seconds per batch size (``plain_step``), verification calls' seconds per
+    shape (``verify_step``), and the relative cost of a shape (``relative``)."""
 
     def __init__(self):
         self.plain: dict[int, float] = {}  # batch size -> EMA seconds of a plain step
-        self.per_position: dict[int, float] = {}  # batch size -> seconds of a padded
-        # position beyond the first of each row, in a verification call (the median of ...)
-        self._samples: dict[int, deque] = {}  # ... batch size -> the recent figures
+        self._samples: dict[int, dict[int, deque]] = {}  # n -> S -> recent seconds / plain
+        self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
+        self._last: tuple[int, int] | None = None  # the last step's (n, S)
 
-    def plain_step(self, n: int, seconds: float) -> None:
-        old = self.plain.get(n)
-        self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+    def plain_step(self, n: int, seconds: float) -> bool:
+        """A plain step at batch size ``n`` took ``seconds``. Counted only when the step
+        before it was a plain one at the same batch size (returns whether it was): the first
+        plain call after a verification, or at a new batch size, pays for the change of shape
+        (~15% more on the CPU provider, measured with onnxruntime alone at batch 8), and a
+        reference measured only there made every verification look cheaper than it is."""
+        steady = self._last in (None, (n, 1))
+        self._last = (n, 1)
+        if steady:
+            old = self.plain.get(n)
+            self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        return steady
 
     def verify_step(self, n: int, positions: int, seconds: float) -> None:
         """A verification call at batch size ``n`` with ``positions`` per row (padded) took
-        ``seconds``: the cost of the positions past the first."""
+        ``seconds`` (measured against the plain step's seconds at the time)."""
+        self._last = (n, positions)
         plain = self.plain.get(n)
-        if plain is None or positions < 2:
+        if plain is None or plain <= 0 or positions < 2:
             return
-        x = max(0.0, seconds - plain) / (n * (positions - 1))
-        recent = self._samples.setdefault(n, deque(maxlen=_SAMPLES))
-        recent.append(x)
-        self.per_position[n] = statistics.median(recent)
+        recent = self._samples.setdefault(n, {}).setdefault(positions, deque(maxlen=_SAMPLES))
+        recent.append(max(1.0, seconds / plain))
+        self.ratio.setdefault(n, {})[positions] = statistics.median(recent)
+
+    def measured(self, n: int) -> bool:
+        """Whether a plain step and a verification were measured at batch size ``n``."""
+        return n in self.plain and bool(self.ratio.get(n))
 
     def forget(self, n: int, factor: float) -> None:
-        """Scale batch size ``n``'s extra-position figures by ``factor`` (< 1: a drafter that
-        refuses for the cost lowers it, so that it tries, and measures, again later)."""
-        recent = self._samples.get(n)
-        if recent:
-            self._samples[n] = deque((x * factor for x in recent), maxlen=_SAMPLES)
-            self.per_position[n] = statistics.median(self._samples[n])
+        """Scale what batch size ``n``'s verifications cost beyond a plain step by ``factor``
+        (< 1: a drafter that refuses for the cost lowers it, so that it tries, and measures,
+        again later)."""
+        for S, recent in self._samples.get(n, {}).items():
+            scaled = deque((1 + (r - 1) * factor for r in recent), maxlen=_SAMPLES)
+            self._samples[n][S] = scaled
+            self.ratio[n][S] = statistics.median(scaled)
 
     def relative(self, n: int, positions: int) -> float:
-        """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's
-        (the prior where not measured yet)."""
-        plain, per = self.plain.get(n), self.per_position.get(n)
-        if plain is None or plain <= 0 or per is None:
+        """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's:
+        measured, else interpolated (see the module's docstring)."""
+        if positions <= 1:
+            return 1.0
+        known = self.ratio.get(n)
+        if not known or n not in self.plain:
             return 1.0 + PRIOR_PER_POSITION * (positions - 1)
-        return 1.0 + per * n * (positions - 1) / plain
+        r = known.get(positions)
+        if r is not None:
+            return r
+        xs = sorted(known)
+        ys = [known[S] for S in xs]
+        xs.insert(0, 1)
+        ys.insert(0, 1.0)
+        i = bisect.bisect_left(xs, positions)  # xs[i - 1] < positions < xs[i] (or the end)
+        if i == len(xs):  # past the longest measured: along the last segment
+            i -= 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        slope = max(0.0, (y1 - y0) / (x1 - x0))
+        return max(1.0, y0 + slope * (positions - x0))

@@ -88,10 +88,10 @@ def test_in_a_batch_the_length_follows_the_measured_cost_of_padding():
     ff = FastForward(max_seq_len=256)
     ff.costs.plain_step(8, 0.010)
     ff.costs.verify_step(8, 17, 0.010 + 0.0006 * 8 * 16)
-    assert ff.costs.per_position[8] == pytest.approx(0.0006)
+    assert ff.costs.relative(8, 17) == pytest.approx(8.68)
     assert ff.cap(8, [16]) == 0  # 24 tokens for ~8.7 steps' time: plain is better
-    assert ff.costs.per_position[8] == pytest.approx(0.0006 * _FORGET)  # measured again later
-    assert ff.cap(8, [2] * 8) == 2  # 24 tokens in ~1.9 steps' time
+    assert ff.costs.relative(8, 17) == pytest.approx(1 + 7.68 * _FORGET)  # measured again later
+    assert ff.cap(8, [2] * 8) == 2  # 24 tokens in ~1.9 steps' time (interpolated)
     assert ff.cap(8, [2] * 7 + [16]) == 2  # (not padded to the long one)
     cheap = FastForward(max_seq_len=256)
     cheap.costs.plain_step(8, 0.010)

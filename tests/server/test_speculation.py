@@ -2,6 +2,8 @@
 verifies drafts, how long the drafts are, and when speculation pauses itself."""
 from __future__ import annotations
 
+import pytest
+
 from kvserve.model.sampling import SamplingParams
 from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 from kvserve.server.sequence import Handle, Sequence
@@ -22,8 +24,7 @@ def _seq(prompt, generated=(), max_new=64, attention=False) -> Sequence:
 
 def _plain(b: Backoff, n: int, seconds: float) -> None:
     """A plain step at batch size n, as the model runner reports it."""
-    b.costs.plain_step(n, seconds)
-    b.plain_step(n)
+    b.plain_step(n, b.costs.plain_step(n, seconds))
 
 
 def test_a_batch_size_is_measured_plain_before_it_verifies_and_refreshed_every_so_often():
@@ -37,6 +38,18 @@ def test_a_batch_size_is_measured_plain_before_it_verifies_and_refreshed_every_s
     assert verified == _REFRESH  # then a plain step refreshes the figure
     _plain(b, 2, 0.010)
     assert b.allow(2)
+
+
+def test_a_refresh_after_verification_is_two_plain_steps_and_measures_the_second():
+    b = Backoff(StepCosts())
+    _plain(b, 4, 0.010)
+    while b.allow(4):  # the runner reports a verification to both
+        b.costs.verify_step(4, 3, 0.015)
+        b.verify_step(4, 0.015, 8)
+    _plain(b, 4, 0.014)  # (after a verification: pays for the change of shape)
+    assert not b.allow(4) and b.costs.plain[4] == pytest.approx(0.010)
+    _plain(b, 4, 0.012)
+    assert b.allow(4) and b.costs.plain[4] == pytest.approx(0.8 * 0.010 + 0.2 * 0.012)
 
 
 def test_speculation_pauses_while_it_yields_fewer_tokens_per_second():

@@ -1,0 +1,84 @@
+"""StepCosts: each verification shape's measured cost, and the prices of shapes not measured."""
+import pytest
+
+from kvserve.server.step_costs import PRIOR_PER_POSITION, StepCosts
+
+
+def _costs(n=8, plain=0.010, calls=()):
+    c = StepCosts()
+    c.plain_step(n, plain)
+    for S, seconds in calls:
+        c.verify_step(n, S, seconds)
+    return c
+
+
+def test_nothing_measured_at_a_batch_size_is_priced_by_the_optimistic_prior():
+    c = StepCosts()
+    assert c.relative(8, 1) == 1.0
+    assert c.relative(8, 5) == pytest.approx(1 + 4 * PRIOR_PER_POSITION)
+    assert not c.measured(8)
+    c.plain_step(8, 0.010)
+    assert not c.measured(8) and c.relative(8, 5) == pytest.approx(1 + 4 * PRIOR_PER_POSITION)
+
+
+def test_a_measured_shape_is_its_own_median_not_a_slope_fitted_on_others():
+    """The 6M model at batch 8 (CPU, 2 cores): the jump from one position to two costs more
+    than each one after it. S = 2 keeps its own figure; a slope through S = 5 would price it at
+    1 + (3.67 - 1) / 4 = 1.67x."""
+    c = _costs(calls=[(2, 0.0192), (5, 0.0367)])
+    assert c.measured(8)
+    assert c.relative(8, 2) == pytest.approx(1.92)
+    assert c.relative(8, 5) == pytest.approx(3.67)
+    assert c.relative(8, 3) == pytest.approx(1.92 + (3.67 - 1.92) / 3)  # between the two
+    assert c.relative(8, 9) == pytest.approx(3.67 + 4 * (3.67 - 1.92) / 3)  # along the last
+    assert c.relative(4, 2) == pytest.approx(1 + PRIOR_PER_POSITION)  # other batch sizes: own
+
+
+def test_the_median_of_recent_calls_ignores_one_stalled_call():
+    c = _costs(calls=[(3, 0.015)] * 5 + [(3, 0.200)] + [(3, 0.016)] * 3)
+    assert c.relative(8, 3) == pytest.approx(1.5)
+    for _ in range(9):  # the shape got dearer for good: 9 newer calls replace the figure
+        c.verify_step(8, 3, 0.030)
+    assert c.relative(8, 3) == pytest.approx(3.0)
+
+
+def test_a_call_is_measured_against_the_plain_step_of_its_time():
+    c = _costs(plain=0.010, calls=[(2, 0.015)])
+    for _ in range(40):  # the machine slows down by half ...
+        c.plain_step(8, 0.020)
+    c.verify_step(8, 4, 0.040)  # ... and a call then costs 2x a plain step, not 4x
+    assert c.relative(8, 4) == pytest.approx(2.0, rel=1e-3)  # (the EMA after 40 steps)
+    assert c.relative(8, 2) == pytest.approx(1.5)
+
+
+def test_below_a_single_measured_shape_the_price_runs_from_one_plain_step():
+    c = _costs(calls=[(9, 0.050)])
+    assert c.relative(8, 5) == pytest.approx(1 + 4 * (5.0 - 1) / 8)
+    assert c.relative(8, 17) == pytest.approx(5.0 + 8 * (5.0 - 1) / 8)
+
+
+def test_forget_shrinks_every_shape_beyond_a_plain_step():
+    c = _costs(calls=[(2, 0.020), (5, 0.040)])
+    c.forget(8, 0.5)
+    assert c.relative(8, 2) == pytest.approx(1.5)
+    assert c.relative(8, 5) == pytest.approx(2.5)
+    c.forget(4, 0.5)  # nothing measured there: nothing to do
+    assert c.relative(8, 2) == pytest.approx(1.5)
+
+
+def test_a_noisy_cheaper_longer_shape_never_prices_below_one_step():
+    c = _costs(calls=[(2, 0.013), (3, 0.011)])  # (noise: S = 3 measured cheaper than S = 2)
+    assert c.relative(8, 6) >= 1.0
+    assert c.relative(8, 3) == pytest.approx(1.1)
+
+
+def test_a_plain_step_after_a_change_of_shape_is_not_the_reference():
+    """The first plain call after a verification (or at a new batch size) pays for the change
+    of shape: only a plain step after a plain step at the same batch size is measured."""
+    c = _costs(plain=0.010)
+    c.verify_step(8, 3, 0.020)
+    assert c.plain_step(8, 0.015) is False and c.plain[8] == pytest.approx(0.010)
+    assert c.plain_step(8, 0.010) is True
+    assert c.plain_step(4, 0.007) is False and 4 not in c.plain  # (8 -> 4 rows)
+    assert c.plain_step(4, 0.006) is True and c.plain[4] == pytest.approx(0.006)
+    assert StepCosts().plain_step(2, 0.005) is True  # the engine's first step
