@@ -165,6 +165,7 @@ class EngineRunner(Runner):
 
         m = self.metrics
         before = (m.cached_tokens, m.drafted, m.accepted)
+        first_step = len(m.steps)
         t0 = time.perf_counter()
         handles = self._submit_all(prompts, n)
         out = np.zeros((len(prompts), n), np.int64)
@@ -179,6 +180,11 @@ class EngineRunner(Runner):
         self.counters = {k: v - v0 for k, v, v0 in zip(
             ("cached_tokens", "drafted", "accepted"),
             (m.cached_tokens, m.drafted, m.accepted), before)}
+        # the model calls' seconds, and those at fewer rows than the call's batch (rows that
+        # finished at different steps: speculation lets some run ahead)
+        steps = m.steps[first_step:]
+        self.counters["step_seconds"] = sum(s for _, s in steps)
+        self.counters["short_batch_seconds"] = sum(s for b, s in steps if b < len(prompts))
         return out, first, total
 
     def stream(self, prompt, n):

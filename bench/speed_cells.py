@@ -88,7 +88,7 @@ def chat(r, vocab: int, turns: int, first: int, user: int, reply: int, serial: i
 
 def spec(r, prompts: list[list[int]], batch: int, n: int) -> dict:
     """The prompts continued ``n`` tokens, ``batch`` at a time (equal-length prompts)."""
-    seconds = decode_seconds = 0.0
+    seconds = decode_seconds = step_seconds = short_seconds = 0.0
     drafted = accepted = 0
     h = hashlib.sha256()
     for i in range(0, len(prompts), batch):
@@ -98,6 +98,8 @@ def spec(r, prompts: list[list[int]], batch: int, n: int) -> dict:
         decode_seconds += tt - (first if first is not None else 0.0)
         drafted += r.counters.get("drafted") or 0
         accepted += r.counters.get("accepted") or 0
+        step_seconds += r.counters.get("step_seconds") or 0.0
+        short_seconds += r.counters.get("short_batch_seconds") or 0.0
         h.update(np.ascontiguousarray(toks, np.int64).tobytes())
     tokens = len(prompts) * n
     decode_tokens = len(prompts) * (n - 1)
@@ -105,6 +107,9 @@ def spec(r, prompts: list[list[int]], batch: int, n: int) -> dict:
             "decode_tok_s": decode_tokens / decode_seconds if decode_seconds > 0 else None,
             "drafted": drafted, "accepted": accepted,
             "acceptance": accepted / drafted if drafted else None,
+            # (the engine) the share of its model calls' seconds spent at fewer rows than the
+            # batch: rows that finished early left the rest to run in a smaller batch
+            "short_batch_share": short_seconds / step_seconds if step_seconds else None,
             "tokens_sha": h.hexdigest()[:16]}
 
 

@@ -49,6 +49,14 @@ def _spec_notes(size: dict, batch: int, key: str) -> list[str]:
                      f"these 2 shared cores")
     if batch > 1:
         notes.append(SPEC_B8)
+        share = speed(size, "engine_on", "spec", str(batch), "short_batch_share")
+        off = speed(size, "engine", "spec", str(batch), "short_batch_share")
+        if share is not None:
+            notes.append(
+                f"the batch's rows finish at different steps with speculation (a row whose "
+                f"drafts are accepted runs ahead): {share:.0%} of the model calls' time ran at "
+                f"fewer than {batch} rows ({off or 0:.0%} without); the bench waits for every "
+                f"row of a batch, a server with queued requests fills those slots")
     return notes
 
 

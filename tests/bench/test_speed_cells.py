@@ -79,6 +79,8 @@ def test_spec_cell_makes_the_same_tokens_with_speculation(engines):
         assert a["tokens"] == b["tokens"] == 48
         assert b["drafted"] == 0 and b["acceptance"] is None
         assert 0 <= a["accepted"] <= a["drafted"]
+        # without speculation every row of a batch takes its 24 tokens in the same steps
+        assert b["short_batch_share"] == 0.0 and 0.0 <= a["short_batch_share"] <= 1.0
     best = S.best_spec(on, prompts, 2, 24, min_total=0.0)
     assert best["tokens_sha"] == a["tokens_sha"]
     # the decode begins when every row has its first token (the engine's own clock)
