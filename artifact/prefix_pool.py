@@ -17,12 +17,9 @@ layers and all blocks:
   bound to the pool's own memory, which onnxruntime (CPU and CUDA) then updates in place
   instead of copying the pool first.
 - ``load`` (blocks -> a slot's first rows): per tensor, Gather of the block ids on axis 0,
-  Transpose to (Hkv, m, bt, D), Reshape (Hkv, m * bt, D), ScatterND into the slot's rows
-  [0, m * bt) of every head, the output bound to the slot's own memory (updated in place, as
-  ``save`` updates the pool): only the prefix's rows are written, whatever the slot's capacity
-  (a Pad to the capacity wrote every row, zeros after the prefix: at 2,048 rows that was most
-  of a restore's time). ``load`` takes an empty slot only (its next rows are prefilled right
-  after; rows past a slot's count are never read).
+  Transpose to (Hkv, m, bt, D), Reshape (Hkv, m * bt, D), Pad to (Hkv, C, D), the output bound
+  to the slot's memory. The slot's rows after the prefix are zeroed: ``load`` takes an empty
+  slot only (its next rows are prefilled right after).
 
 ``NumpyPrefixPool`` is the same for the portable runner's host buffers (numpy copies).
 """
@@ -117,17 +114,16 @@ class FusedPrefixPool(_PoolBase):
         cfg, dt, dev = self.cfg, self.dtype, self.device
         rows = len(pool_blocks) * self.block_tokens
         kv.ensure_capacity(rows + 1)
+        C = kv.capacity
         b = self._load.io_binding()
         b.bind_cpu_input("ids", np.asarray(pool_blocks, np.int64))
         b.bind_cpu_input("shape", np.array([cfg.n_kv_heads, rows, cfg.head_dim], np.int64))
-        b.bind_cpu_input("at", _head_rows(cfg.n_kv_heads, rows))
-        slot_shape = [cfg.n_kv_heads, kv.capacity, cfg.head_dim]
+        b.bind_cpu_input("pads", np.array([0, 0, 0, 0, C - rows, 0], np.int64))
+        slot_shape = [cfg.n_kv_heads, C, cfg.head_dim]
         pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
         for i, (buf, pool) in enumerate(self._pairs(kv)):
-            ptr = kv.slot_ptr(buf, slot)
-            b.bind_input(f"x{i}", dev, 0, dt, slot_shape, ptr)
             b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
-            b.bind_output(f"y{i}", dev, 0, dt, slot_shape, ptr)
+            b.bind_output(f"y{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
         self._load.run_with_iobinding(b)
         kv.used[slot] = rows
 
@@ -170,26 +166,16 @@ def _load_graph(n: int, dtype) -> bytes:
     t = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, ["m"]),
               helper.make_tensor_value_info("shape", TensorProto.INT64, [3]),
-              helper.make_tensor_value_info("at", TensorProto.INT64, ["h", "r", 2])]
+              helper.make_tensor_value_info("pads", TensorProto.INT64, [6])]
     outputs, nodes = [], []
     for i in range(n):
-        inputs += [helper.make_tensor_value_info(f"x{i}", t, ["h", "c", "d"]),
-                   helper.make_tensor_value_info(f"p{i}", t, ["nb", "h", "bt", "d"])]
+        inputs.append(helper.make_tensor_value_info(f"p{i}", t, ["nb", "h", "bt", "d"]))
         outputs.append(helper.make_tensor_value_info(f"y{i}", t, ["h", "c", "d"]))
         nodes += [helper.make_node("Gather", [f"p{i}", "ids"], [f"g{i}"], axis=0),
                   helper.make_node("Transpose", [f"g{i}"], [f"t{i}"], perm=[1, 0, 2, 3]),
                   helper.make_node("Reshape", [f"t{i}", "shape"], [f"r{i}"]),
-                  helper.make_node("ScatterND", [f"x{i}", "at", f"r{i}"], [f"y{i}"])]
+                  helper.make_node("Pad", [f"r{i}", "pads"], [f"y{i}"])]
     return _model(nodes, inputs, outputs)
-
-
-def _head_rows(heads: int, rows: int) -> np.ndarray:
-    """ScatterND's indices for rows [0, rows) of every head of a (heads, C, D) slot:
-    (heads, rows, 2) pairs (head, row)."""
-    at = np.empty((heads, rows, 2), np.int64)
-    at[..., 0] = np.arange(heads)[:, None]
-    at[..., 1] = np.arange(rows)[None, :]
-    return at
 
 
 class NumpyPrefixPool(_PoolBase):

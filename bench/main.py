@@ -368,7 +368,8 @@ SPEED_GROUPS = ("prefix", "chat", "spec")
 def merge_speed(old: dict, new: dict) -> dict:
     """A ``--speed-only`` run's cells merged into a size's earlier results: each runner's
     prefix / chat / spec groups replaced, runners new to the file added, the run's own meta
-    kept apart (``speed_meta``); everything else (and its meta) as it was."""
+    kept apart (``speed_meta``), the label the new run's; everything else (and its meta) as it
+    was."""
     out = json.loads(json.dumps(old))
     for r, v in new.get("runners", {}).items():
         cur = out.setdefault("runners", {}).setdefault(r, {})
@@ -386,6 +387,9 @@ def merge_speed(old: dict, new: dict) -> dict:
         if v.get("error"):
             cur["speed_error"] = v["error"]
     out["speed_meta"] = new["meta"]
+    # the model the new cells ran on (the trained size: which checkpoint; the same text for
+    # the random-init sizes)
+    out["label"] = new.get("label", out.get("label"))
     return out
 
 

@@ -134,7 +134,10 @@ def test_speed_only_results_merge_into_the_size():
                        "engine_on": {"prefix": {"1000+16": {"second_ms": 1}}}}}
     old["runners"]["engine_on"] = {"prefix": {"1000+16": {"second_ms": 2}}}
     new["runners"]["engine_on"]["prefix_cache_mb"] = 256
+    assert merge_speed(dict(old, label="a model"), new)["label"] == "a model"
+    old["label"], new["label"] = "step 400 of 800", "finished"  # (the trained size's model)
     out = merge_speed(old, new)
+    assert out["label"] == "finished"
     assert out["meta"] == {"date": "morning"} and out["speed_meta"] == {"date": "evening"}
     eng = out["runners"]["engine"]
     assert eng["decode"] == {"1x128": {"tok_s": 30}}  # the earlier cells stay
