@@ -10,8 +10,9 @@ Four things keep it from costing speed:
 - per sequence, lookups that find nothing are made less often (every 2, then 4 steps), so a
   sequence that never repeats itself costs little Python;
 - per step, the draft length is weighed for the whole batch (``ngram.best_positions``): each
-  row's draft is expected to yield 1 + a + ... + a^K tokens (a: that sequence's measured
-  acceptance per draft token, ``ngram.AdaptiveK``), the call costs what the engine measured for
+  row's draft is expected to yield 1 + a + ... + a^K tokens (a: the acceptance per draft token
+  measured for drafts that followed as long an n-gram match, that sequence's own drawn towards
+  the engine's: ``ngram.AdaptiveK``), the call costs what the engine measured for
   that many positions a row at that batch size (``server.step_costs``), and the step takes the
   length with the most expected tokens per second (all rows' drafts cut to it: the padding is
   paid anyway), or a plain step when no draft pays;
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ngram import AdaptiveK, NgramIndex, best_positions
+from .ngram import PRIOR_TRIALS, AdaptiveK, NgramIndex, best_positions
 from .sequence import Sequence
 from .step_costs import StepCosts
 
@@ -39,6 +40,8 @@ _PAUSE_MAX = 256  # ... up to this
 _MAX_SKIP = 4  # steps between lookups of a sequence whose lookups keep finding nothing
 _MAX_REST_LOG2 = 3  # at most 7 steps between two weighings while nothing pays
 _PRIOR_DECAY = 0.99  # weight of the earlier verifications in the engine's acceptance
+_ENGINE_FADE = 0.98  # ... and per unused draft of that match length
+_UNTRIED = 0.8  # the acceptance a match length is weighed with before its drafts were measured
 _WORTH = 1.0  # speculation goes on while it yields at least this x the plain tokens/s
 
 
@@ -47,6 +50,7 @@ class Drafting:
     """A sequence's speculation state: its n-gram index and draft length."""
     index: NgramIndex
     k: AdaptiveK
+    n: int = 0  # the matched n-gram length of its latest draft
     indexed: int = 0  # generated tokens already in the index
     empty: int = 0  # lookups in a row that found no draft
     skip: int = 0  # steps left before the next lookup
@@ -105,7 +109,8 @@ class Speculator:
         self.costs = costs if costs is not None else StepCosts()
         self.backoff = Backoff(self.costs)
         self.drafted = self.accepted = 0  # totals (metrics)
-        self._hits, self._trials = 0.6 * 4, 4.0  # the engine's acceptance (decayed counts)
+        self._by_n: dict[int, list[float]] = {}  # matched n-gram length -> the engine's
+        # [accepted, trials] of drafts that followed such a match (decayed counts)
         self._idle: dict[int, int] = {}  # batch size -> weighings in a row where nothing paid
         self._rest: dict[int, int] = {}  # batch size -> steps left before the next weighing
 
@@ -118,8 +123,7 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         # a constrained row drafts the tokens its grammar forces instead (server.fast_forward)
         if self.eligible(seq) and seq.req.constraint is None:
-            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids),
-                                    AdaptiveK(self.k_max, prior=self.acceptance))
+            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -138,13 +142,16 @@ class Speculator:
         out = [self._propose(seq) for seq in active]
         if not any(out):
             return None
-        rows = [(s.drafting.k.rate if s.drafting is not None else 0.0, len(d))
-                for s, d in zip(active, out)]
+        rows = [(self.rate(s) if d else 0.0, len(d)) for s, d in zip(active, out)]
         S = best_positions(rows, lambda positions: self.costs.relative(n, positions))
         if S == 1:  # no draft pays for its positions at this batch size now: the rows'
             for seq, d in zip(active, out):  # acceptance estimates fade towards the prior,
                 if d:  # so that in a while they are weighed (and then measured) again
-                    seq.drafting.k.fade(self.acceptance)
+                    seq.drafting.k.fade()
+                    c = self._by_n.get(seq.drafting.n)
+                    if c is not None:  # (the engine's figure, slowly)
+                        c[0] *= _ENGINE_FADE
+                        c[1] *= _ENGINE_FADE
             # and the next steps at this batch size skip the weighing (lookups, the choice:
             # ~10% of a plain step at batch 8 on a small model): 1, 3, then 7 steps
             self._idle[n] = streak = min(self._idle.get(n, 0) + 1, _MAX_REST_LOG2)
@@ -170,6 +177,7 @@ class Speculator:
                    self.max_seq_len - len(seq.req.prompt_ids) - len(gen)) - 1
         k = d.k.k(room)
         draft = d.index.propose(k) if k > 0 else []
+        d.n = d.index.matched
         if k > 0 and not draft:
             d.empty += 1
             d.skip = min(1 << d.empty, _MAX_SKIP) - 1
@@ -177,16 +185,28 @@ class Speculator:
             d.empty = 0
         return draft
 
-    @property
-    def acceptance(self) -> float:
-        """The engine's per-token acceptance over recent verifications of all sequences (the
-        prior of a sequence's own estimate)."""
-        return self._hits / self._trials
+    def match_rate(self, n: int) -> float:
+        """The engine's per-token acceptance of drafts that followed an n-token match (the
+        prior of a sequence's own estimate). Optimistic (``_UNTRIED``) while few such drafts
+        were verified, so that each match length is tried and measured: from a pessimistic
+        start (the engine's acceptance over all drafts, most of them short matches' echoes)
+        the loops' drafts were never verified where a verification costs ~2 plain steps."""
+        h, t = self._by_n.get(n, (0.0, 0.0))
+        return (h + PRIOR_TRIALS * _UNTRIED) / (t + PRIOR_TRIALS)
+
+    def rate(self, seq: Sequence) -> float:
+        """The acceptance ``seq``'s current draft is weighed with: its own for the draft's
+        matched length, drawn towards the engine's."""
+        d = seq.drafting
+        return d.k.rate(d.n, self.match_rate(d.n))
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         if seq.drafting is not None and drafted:
-            seq.drafting.k.update(drafted, accepted)
-            self._hits = _PRIOR_DECAY * self._hits + accepted
-            self._trials = _PRIOR_DECAY * self._trials + accepted + (accepted < drafted)
+            n = seq.drafting.n
+            seq.drafting.k.update(n, drafted, accepted)
+            miss = accepted < drafted
+            c = self._by_n.setdefault(n, [0.0, 0.0])
+            c[0] = _PRIOR_DECAY * c[0] + accepted
+            c[1] = _PRIOR_DECAY * c[1] + accepted + miss
         self.drafted += drafted
         self.accepted += accepted

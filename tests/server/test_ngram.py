@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvserve.server.ngram import MAX_K, AdaptiveK, NgramIndex, best_positions, expected, propose
+from kvserve.server.ngram import MAX_K, MAX_N, AdaptiveK, NgramIndex, best_positions, expected, propose
 
 
 @pytest.mark.parametrize("tokens,k,want", [
@@ -116,19 +116,35 @@ def test_per_call_cost_at_4k_tokens():
 
 def test_the_acceptance_estimate_follows_the_verifications():
     a = AdaptiveK(8)
-    assert a.rate == pytest.approx(0.6) and a.k() == 8 and a.k(cap=3) == 3 and a.k(cap=0) == 0
-    for _ in range(10):  # drafts of 4, all accepted
-        a.update(4, 4)
-    assert a.rate > 0.95
+    assert a.rate(4, 0.6) == pytest.approx(0.6) and a.k() == 8 and a.k(cap=3) == 3
+    assert a.k(cap=0) == 0
+    for _ in range(10):  # drafts of 4 after a 4-token match, all accepted
+        a.update(4, 4, 4)
+    assert a.rate(4, 0.6) > 0.95
+    assert a.rate(1, 0.3) == pytest.approx(0.3)  # another match length: the prior alone
     for _ in range(20):  # drafts of 4, the first token rejected each time
-        a.update(4, 0)
-    assert a.rate < 0.1
+        a.update(4, 4, 0)
+    # its own ~5 decayed trials (nearly all misses) against the prior's 2: ~(2 * 0.6) / 7
+    assert 1.2 / 7 < a.rate(4, 0.6) < 0.2
+    assert a.rate(4, 0.0) < 0.05
     for _ in range(40):  # drafts not used: back towards the prior
         a.fade()
-    assert a.rate == pytest.approx(0.6, abs=0.05)
+    assert a.rate(4, 0.6) == pytest.approx(0.6, abs=0.05)
     assert AdaptiveK(0).k() == 0
     with pytest.raises(ValueError, match="speculative tokens"):
         AdaptiveK(MAX_K + 1)
+
+
+def test_a_proposal_says_how_long_a_match_it_follows():
+    idx = NgramIndex([1, 2, 3, 4, 5, 9, 9, 3, 4, 5])
+    assert idx.propose(2) == [9, 9] and idx.matched == 3  # (3, 4, 5) seen before
+    idx.append(7)
+    assert idx.propose(2) == [] and idx.matched == 0  # 7 never seen
+    assert NgramIndex([1, 2] * 10).propose(3) == [1, 2, 1]
+    assert NgramIndex([1, 2] * 10).matched == 0  # (before any proposal)
+    loop = NgramIndex([1, 2] * 10)
+    loop.propose(3)
+    assert loop.matched == MAX_N  # a loop matches the longest n looked up
 
 
 def test_expected_tokens_of_a_draft():
