@@ -1,0 +1,57 @@
+"""bench/spec_replay.py: the engine's speculator replayed on given continuations and costs, and
+the two measurements it replays with (greedy continuations, relative call costs)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from kvserve.bench import spec_replay as R
+
+COSTS = {S: 1.0 + 0.1 * (S - 1) for S in range(1, 10)}  # cheap extra positions (a big model)
+DEAR = {1: 1.0, **{S: 2.5 + 0.2 * S for S in range(2, 10)}}  # ... or dear ones (a tiny one)
+
+
+def test_a_looping_continuation_is_decoded_in_fewer_steps():
+    prompt = [7, 8, 9, 10] * 8
+    out = [7, 8, 9, 10] * 32  # the loop goes on: drafts after an 8-token match are right
+    got = R.replay([prompt], [out], COSTS)
+    assert got["tokens"] == len(out) - 1  # (the prefill's token is not a step's)
+    assert got["tokens_per_step"] > 4 and got["speedup"] > 2.5
+    assert got["acceptance"] > 0.9 and got["verification_steps"] > 0
+
+
+def test_text_that_never_repeats_costs_little():
+    rnd = random.Random(3)
+    prompt = [rnd.randrange(1000) for _ in range(64)]
+    out = [rnd.randrange(1000) for _ in range(128)]
+    got = R.replay([prompt], [out], DEAR)
+    assert 0.9 <= got["speedup"] <= 1.0 + 1e-9  # a few tried drafts, then plain steps
+    assert got["tokens"] == 127
+
+
+def test_dear_verification_takes_only_drafts_worth_it():
+    """Echoes (a 1-token match, then a wrong guess) are not verified where a call of 2
+    positions costs 2.9 plain steps; the loop at the end still is."""
+    rnd = random.Random(5)
+    prompt = [rnd.randrange(50) for _ in range(200)]
+    out = [rnd.randrange(50) for _ in range(100)] + [1, 2, 3, 4] * 25
+    got = R.replay([prompt], [out], DEAR)
+    assert got["speedup"] > 1.2
+    assert got["verification_steps"] < 40
+
+
+def test_continuations_and_call_costs_on_the_tiny_artifact(artifact):
+    from kvserve.artifact.loader import load_lm
+
+    lm = load_lm(str(artifact.dir), provider="cpu", threads=2, attention=False)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    outs = R.continuations(lm, prompts, 6)
+    assert [len(o) for o in outs] == [6, 6]
+    kv = lm.new_cache(1)  # the same tokens as the runner's own greedy loop
+    logits = lm.prefill(kv, 0, [np.asarray(prompts[0])], last=True).logits[0][-1]
+    assert outs[0][0] == int(logits.argmax())
+    costs = R.call_costs(lm, prompts[0], 4, repeats=2, passes=1)
+    assert sorted(costs) == [1, 2, 3, 4] and costs[1] == pytest.approx(1.0)
+    assert all(c > 0 for c in costs.values())
