@@ -145,10 +145,14 @@ class EngineRunner(Runner):
         return self.engine.submit_many([self._request(p, n) for p in prompts])
 
     def generate(self, prompts, n):
+        return self._collect(self._submit_all(prompts, n), n)
+
+    @staticmethod
+    def _collect(handles, n) -> np.ndarray:
+        """Every handle's n tokens (B, n), in order; an early finish is an error."""
         from kvserve.server.domain import FinishEvent, TokenEvent
 
-        handles = self._submit_all(prompts, n)
-        out = np.zeros((len(prompts), n), np.int64)
+        out = np.zeros((len(handles), n), np.int64)
         for b, h in enumerate(handles):
             for ev in h:
                 if isinstance(ev, TokenEvent):
@@ -161,20 +165,11 @@ class EngineRunner(Runner):
         """(tokens (B, n), seconds until every row had its first token (the engine's own
         clock: the rows' prefills may be spread over several iterations), seconds to the end),
         with the engine's counters over the call (cached prompt tokens, drafted / accepted)."""
-        from kvserve.server.domain import FinishEvent, TokenEvent
-
         m = self.metrics
         before = (m.cached_tokens, m.drafted, m.accepted)
         first_step = len(m.steps)
         t0 = time.perf_counter()
-        handles = self._submit_all(prompts, n)
-        out = np.zeros((len(prompts), n), np.int64)
-        for b, h in enumerate(handles):
-            for ev in h:
-                if isinstance(ev, TokenEvent):
-                    out[b, ev.index] = ev.token_id
-                elif isinstance(ev, FinishEvent) and ev.generated_tokens != n:
-                    raise RuntimeError(f"engine finished early: {ev.reason} {ev.error}")
+        out = self._collect(self._submit_all(prompts, n), n)
         total = time.perf_counter() - t0
         first = m.last_first - t0
         self.counters = {k: v - v0 for k, v, v0 in zip(

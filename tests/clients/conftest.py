@@ -3,11 +3,15 @@ an in-process ``App`` (tests/server/conftest.py's running_app) or a ``kvserve se
 that can be restarted on the same port."""
 from __future__ import annotations
 
+from concurrent import futures
+
+import grpc
 import pytest
 
 pytest.importorskip("torch")
 
 from client_helpers import ServeProcess, running_app  # noqa: E402
+from kvserve.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +53,22 @@ def cli(capsys):
         return rc, out.out, out.err
 
     return call
+
+
+@pytest.fixture
+def scripted():
+    """make(servicer) -> the address of a real gRPC server on loopback running that servicer
+    (a scripted stand-in for kvserve's: refusals, broken streams), stopped after the test."""
+    servers = []
+
+    def make(servicer):
+        s = grpc.server(futures.ThreadPoolExecutor(4))
+        pb_grpc.add_InferenceServicer_to_server(servicer, s)
+        port = s.add_insecure_port("127.0.0.1:0")
+        s.start()
+        servers.append(s)
+        return f"127.0.0.1:{port}"
+
+    yield make
+    for s in servers:
+        s.stop(0)

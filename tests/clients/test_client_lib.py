@@ -169,23 +169,6 @@ class Scripted(pb_grpc.InferenceServicer):
             finish_reason=pb.FINISH_REASON_LENGTH, generated_tokens=2, text="t0t1"))
 
 
-@pytest.fixture
-def scripted():
-    servers = []
-
-    def make(servicer):
-        s = grpc.server(futures.ThreadPoolExecutor(4))
-        pb_grpc.add_InferenceServicer_to_server(servicer, s)
-        port = s.add_insecure_port("127.0.0.1:0")
-        s.start()
-        servers.append(s)
-        return f"127.0.0.1:{port}"
-
-    yield make
-    for s in servers:
-        s.stop(0)
-
-
 def test_stream_retried_before_first_token(scripted):
     svc = Scripted(refuse=3)
     hook = Attempts()

@@ -8,7 +8,6 @@ tests/deploy/test_failover.py."""
 from __future__ import annotations
 
 import asyncio
-from concurrent import futures
 
 import grpc
 import pytest
@@ -46,23 +45,6 @@ class Cuts(pb_grpc.InferenceServicer):
         yield pb.GenerateResponse(complete=pb.Complete(
             finish_reason=pb.FINISH_REASON_LENGTH, generated_tokens=N,
             text="".join(f"t{i} " for i in range(N))))
-
-
-@pytest.fixture
-def scripted():
-    servers = []
-
-    def make(servicer):
-        s = grpc.server(futures.ThreadPoolExecutor(4))
-        pb_grpc.add_InferenceServicer_to_server(servicer, s)
-        port = s.add_insecure_port("127.0.0.1:0")
-        s.start()
-        servers.append(s)
-        return f"127.0.0.1:{port}"
-
-    yield make
-    for s in servers:
-        s.stop(0)
 
 
 def _sync(target, **kw):
