@@ -76,7 +76,7 @@ class ServerConfig:
                             "off: they sleep, which leaves shared or busy cores to others)")
     tf32: bool = _opt(False, "CUDA: let fp32 matmuls use TF32 (faster; logits then differ from "
                              "the CPU provider by ~1e-3 instead of ~1e-6)")
-    stream_interval_ms: float = _opt(5.0, "a streaming caller is woken at most once per this "
+    stream_interval_ms: float = _opt(20.0, "a streaming caller is woken at most once per this "
                                           "many ms (tokens ready together arrive together; "
                                           "first token and end at once; 0 = every token); "
                                           "with N callers streaming, N times this, up to "
