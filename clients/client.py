@@ -161,10 +161,13 @@ class _Base:
                         unary: bool = False, stream: StreamResume | None = None) -> float:
         err = _wrap(e, attempt)
         code = err.code
-        if unary and code is grpc.StatusCode.CANCELLED and not self._closed:
-            # this client never cancels a unary call (only closing it does): the server did,
-            # as gRPC does to calls that arrive while a server stops (a restart, a drain
-            # racing a retry). The calls are idempotent, so it counts as UNAVAILABLE.
+        if code is grpc.StatusCode.CANCELLED and not self._closed and \
+                (unary or (stream is not None and stream.enabled)):
+            # this client cancels a call only when it is closed: the server did, as gRPC does
+            # to calls that arrive while a server stops (a restart; a drain's last moment,
+            # which a resumed stream can reach through a balancer). The unary calls are
+            # idempotent and a resumed stream continues with the same tokens, so it counts as
+            # UNAVAILABLE (a stream the caller stops ends its iteration: no error here)
             code = grpc.StatusCode.UNAVAILABLE
         if stream is not None:  # a stream that resumes: also after a proxy's stream reset
             resumes = stream.may_resume(code, err.details)

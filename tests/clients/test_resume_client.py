@@ -101,6 +101,21 @@ def test_what_is_not_resumed_is_raised(scripted, run):
         assert (e.value.code, len(svc.requests)) == (code, calls), (cuts, kw)
 
 
+@pytest.mark.parametrize("run", [_sync, _async], ids=["sync", "async"])
+def test_a_resumed_stream_that_reaches_a_stopping_server_goes_on(scripted, run):
+    """A drain moves a stream (UNAVAILABLE); its resumed call reaches, through a balancer, the
+    draining server as it stops, which gRPC ends CANCELLED: resumed again, elsewhere. Without
+    resuming, a started stream's CANCELLED is raised."""
+    cancelled = (grpc.StatusCode.CANCELLED, "CANCELLED")
+    svc = Cuts([(5, UNAVAILABLE), (0, cancelled)])
+    evs = run(scripted(svc))
+    assert [e.index for e in evs if isinstance(e, TokenEvent)] == list(range(N))
+    assert len(svc.requests) == 3
+    with pytest.raises(KvserveError) as e:
+        run(scripted(Cuts([(5, cancelled)])), resume=False)
+    assert e.value.code is grpc.StatusCode.CANCELLED
+
+
 def test_the_budget_restarts_after_progress(scripted):
     """Five cuts, each after one new token, with 2 attempts per failure: it completes."""
     svc = Cuts([(1, UNAVAILABLE)] * 5)
