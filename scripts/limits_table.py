@@ -36,7 +36,7 @@ STATUS_CODES = [
     ("DEADLINE_EXCEEDED", "the caller's deadline passed; the server stopped the work"),
     ("CANCELLED", "the caller cancelled; the server freed the slot (gRPC also ends calls that "
                   "reach a server while it stops this way: the Python client retries unary "
-                  "calls that end so)"),
+                  "calls and resuming streams that end so)"),
     ("UNAUTHENTICATED", "missing or wrong `authorization: Bearer <token>` (health is exempt)"),
     ("UNIMPLEMENTED", "an option this server cannot do (attention without the attention "
                       "graphs)"),
