@@ -88,9 +88,8 @@ def test_overload_is_immediate_and_capacity_comes_back(small, monkeypatch):
 
 def test_cancel_mid_stream_frees_the_slot_within_one_decode_step(hsrv, monkeypatch):
     app = hsrv.app
-    slow_decode(monkeypatch, app, STEP)
-    monkeypatch.setattr(app.engine.runner, "spec", None)  # one token a step (the 200 must not
-    # all fit before the cancellation lands: a verification yields up to 9)
+    slow_decode(monkeypatch, app, STEP)  # (one token a step: the 200 must not all fit before
+    # the cancellation lands)
     at_cancel = []
     orig = engine_mod.Handle.cancel
 
@@ -154,10 +153,7 @@ def test_cancelled_queued_request_never_runs(small, monkeypatch):
 
 def test_deadline_200ms_on_a_long_generation_stops_the_work(hsrv, monkeypatch):
     app = hsrv.app
-    slow_decode(monkeypatch, app, STEP)  # 200 tokens would take >= 2 s ...
-    # ... one token a step: speculation off (on the looping test model a verification yields
-    # up to 9 tokens, and 200 tokens fit in the deadline's steps)
-    monkeypatch.setattr(app.engine.runner, "spec", None)
+    slow_decode(monkeypatch, app, STEP)  # 200 tokens would take >= 2 s (one token a step)
     port = app.metrics_server.port
     before = scrape(port)
     with pytest.raises(grpc.RpcError) as e:
