@@ -3,8 +3,8 @@ costs measured on this machine: what the policy makes of them, without the noise
 every step of a live engine (this 2-core machine's speed drifts by up to 2x within minutes,
 more than the policy changes one wants to compare).
 
-1. continuations: the artifact continues the held-out files' prompts greedily (the runner
-   loop: prefill, then ``decode`` and argmax), ``--new`` tokens each;
+1. continuations: the artifact continues the held-out files' prompts greedily (the bench's
+   runner loop, ``LoopRunner``: prefill, then ``decode`` and argmax), ``--new`` tokens each;
 2. costs, two tables: onnxruntime's seconds for one call of S = 1 .. K + 1 positions at
    batch 1 (the model's own ``decode`` / ``verify``, each shape repeated in a row, the median
    of several passes) over S = 1's; and what the engine itself measured (``StepCosts``: whole
@@ -33,20 +33,12 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results" / "spec-replay.json"
 
 
-def continuations(lm, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Each prompt continued ``n`` tokens greedily (batch 1)."""
+def continuations(loop, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt continued ``n`` tokens greedily, batch 1 (``loop``: the bench's
+    ``LoopRunner``, the runner's own prefill / decode / argmax loop)."""
     import numpy as np
 
-    outs = []
-    for p in prompts:
-        kv = lm.new_cache(1, capacity=len(p) + n + 1)
-        logits = lm.prefill(kv, 0, [np.asarray(p, np.int64)], last=True).logits[0][-1]
-        out = [int(logits.argmax())]
-        while len(out) < n:
-            step, _ = lm.decode(kv, 1, [out[-1]])
-            out.append(int(step[0].argmax()))
-        outs.append(out)
-    return outs
+    return [loop.generate(np.asarray([p], np.int64), n)[0].tolist() for p in prompts]
 
 
 def call_costs(lm, prompt: list[int], max_positions: int, repeats: int = 20,
@@ -148,8 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--update", action="store_true", help=f"write {RESULTS}")
     args = ap.parse_args(argv)
-    from kvserve.artifact.loader import load_lm
-
+    from .runner_kvserve import LoopRunner
     from .trained import code_prompts, held_out_files
 
     art = Path(args.artifact or Path(args.cache) / "models" / "trained" / "fp32")
@@ -157,10 +148,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"no artifact at {art}: run `kvserve bench --sizes trained "
                          f"--cache {args.cache}` first (it trains and exports the model)")
     prompts, names = code_prompts(art / "tokenizer.json", held_out_files())
-    lm = load_lm(str(art), provider="cpu", threads=args.threads, attention=False)
+    loop = LoopRunner(str(art), threads=args.threads)
     t0 = time.perf_counter()
-    outs = continuations(lm, prompts, args.new)
-    tables = {"onnxruntime": call_costs(lm, prompts[0], args.k + 1),
+    outs = continuations(loop, prompts, args.new)
+    tables = {"onnxruntime": call_costs(loop.lm, prompts[0], args.k + 1),
               "engine": engine_costs(str(art), prompts, args.new, args.threads, args.k)}
     out = {"artifact": str(art), "files": names, "new_tokens": args.new, "k": args.k,
            "threads": args.threads, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}

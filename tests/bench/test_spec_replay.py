@@ -43,11 +43,12 @@ def test_dear_verification_takes_only_drafts_worth_it():
 
 
 def test_continuations_and_call_costs_on_the_tiny_artifact(artifact):
-    from kvserve.artifact.loader import load_lm
+    from kvserve.bench.runner_kvserve import LoopRunner
 
-    lm = load_lm(str(artifact.dir), provider="cpu", threads=2, attention=False)
+    loop = LoopRunner(str(artifact.dir), threads=2)
+    lm = loop.lm
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    outs = R.continuations(lm, prompts, 6)
+    outs = R.continuations(loop, prompts, 6)
     assert [len(o) for o in outs] == [6, 6]
     kv = lm.new_cache(1)  # the same tokens as the runner's own greedy loop
     logits = lm.prefill(kv, 0, [np.asarray(prompts[0])], last=True).logits[0][-1]
