@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .step_costs import PRIOR_PER_POSITION
 
 MAX_N = 8  # the longest n-gram looked up (vLLM's prompt_lookup_max examples use 4). The
 # matched length says how far a draft can be trusted: on the default trained model's greedy
@@ -135,13 +134,12 @@ class AdaptiveK:
         if not 0 <= k_max <= MAX_K:
             raise ValueError(f"speculative tokens must be in [0, {MAX_K}], got {k_max}")
         self.k_max = k_max
-        self._counts: dict[int, list[float]] = {}  # n -> [hits, trials] (decayed)
+        self._rates = MatchRates(_DECAY, _IDLE_DECAY)
 
     def rate(self, n: int, prior: float) -> float:
         """The estimated acceptance of a draft token after an n-token match whose
         predecessors were accepted."""
-        h, t = self._counts.get(n, (0.0, 0.0))
-        return (h + PRIOR_TRIALS * prior) / (t + PRIOR_TRIALS)
+        return self._rates.rate(n, prior)
 
     def k(self, cap: int | None = None) -> int:
         """The longest draft this sequence offers (``cap``: the room left)."""
@@ -150,22 +148,45 @@ class AdaptiveK:
     def update(self, n: int, drafted: int, accepted: int) -> None:
         """After a verification: ``accepted`` of ``drafted`` draft tokens (that followed an
         n-token match) were kept."""
-        if drafted <= 0:
-            return
-        c = self._counts.setdefault(n, [0.0, 0.0])
-        c[0] = _DECAY * c[0] + accepted
-        c[1] = _DECAY * c[1] + accepted + (accepted < drafted)
+        self._rates.update(n, drafted, accepted)
 
     def fade(self) -> None:
         """A step where its draft was not used: its own figures weigh a little less against
         the prior."""
-        for c in self._counts.values():
-            c[0] *= _IDLE_DECAY
-            c[1] *= _IDLE_DECAY
+        self._rates.fade()
 
 
-PRIOR_TRIALS = 2.0  # what the engine's figure for a match length weighs in a sequence's
-# estimate, in verifications
+class MatchRates:
+    """Acceptance per matched n-gram length from decayed counts: per n, the accepted draft
+    tokens and the trials (of m accepted out of K, m successes and one failure unless m == K),
+    each update weighing the earlier ones by ``decay``, each ``fade`` by ``idle_decay``;
+    ``rate(n, prior)`` draws them towards ``prior``, worth ``PRIOR_TRIALS`` trials. A
+    sequence's (``AdaptiveK``) and the engine's over all sequences (``server.speculation``)."""
+
+    def __init__(self, decay: float, idle_decay: float):
+        self.decay, self.idle_decay = decay, idle_decay
+        self._counts: dict[int, list[float]] = {}  # n -> [hits, trials]
+
+    def rate(self, n: int, prior: float) -> float:
+        h, t = self._counts.get(n, (0.0, 0.0))
+        return (h + PRIOR_TRIALS * prior) / (t + PRIOR_TRIALS)
+
+    def update(self, n: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        c = self._counts.setdefault(n, [0.0, 0.0])
+        c[0] = self.decay * c[0] + accepted
+        c[1] = self.decay * c[1] + accepted + (accepted < drafted)
+
+    def fade(self, n: int | None = None) -> None:
+        """Every length's counts (``n``: that one's, if any) weigh less against the prior."""
+        for m, c in self._counts.items():
+            if n is None or m == n:
+                c[0] *= self.idle_decay
+                c[1] *= self.idle_decay
+
+
+PRIOR_TRIALS = 2.0  # what a prior weighs against the counts of a match length, in trials
 _DECAY = 0.8  # weight of the earlier verifications in the acceptance estimate, per update
 _IDLE_DECAY = 0.9  # ... and per step whose draft was not used
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ngram import PRIOR_TRIALS, AdaptiveK, NgramIndex, best_positions
+from .ngram import AdaptiveK, MatchRates, NgramIndex, best_positions
 from .sequence import Sequence
 from .step_costs import StepCosts
 
@@ -109,8 +109,8 @@ class Speculator:
         self.costs = costs if costs is not None else StepCosts()
         self.backoff = Backoff(self.costs)
         self.drafted = self.accepted = 0  # totals (metrics)
-        self._by_n: dict[int, list[float]] = {}  # matched n-gram length -> the engine's
-        # [accepted, trials] of drafts that followed such a match (decayed counts)
+        self._by_n = MatchRates(_PRIOR_DECAY, _ENGINE_FADE)  # the engine's acceptance of
+        # drafts per matched n-gram length, over all sequences
         self._idle: dict[int, int] = {}  # batch size -> weighings in a row where nothing paid
         self._rest: dict[int, int] = {}  # batch size -> steps left before the next weighing
 
@@ -148,10 +148,7 @@ class Speculator:
             for seq, d in zip(active, out):  # acceptance estimates fade towards the prior,
                 if d:  # so that in a while they are weighed (and then measured) again
                     seq.drafting.k.fade()
-                    c = self._by_n.get(seq.drafting.n)
-                    if c is not None:  # (the engine's figure, slowly)
-                        c[0] *= _ENGINE_FADE
-                        c[1] *= _ENGINE_FADE
+                    self._by_n.fade(seq.drafting.n)  # (the engine's figure, slowly)
             # and the next steps at this batch size skip the weighing (lookups, the choice:
             # ~10% of a plain step at batch 8 on a small model): 1, 3, then 7 steps
             self._idle[n] = streak = min(self._idle.get(n, 0) + 1, _MAX_REST_LOG2)
@@ -191,8 +188,7 @@ class Speculator:
         were verified, so that each match length is tried and measured: from a pessimistic
         start (the engine's acceptance over all drafts, most of them short matches' echoes)
         the loops' drafts were never verified where a verification costs ~2 plain steps."""
-        h, t = self._by_n.get(n, (0.0, 0.0))
-        return (h + PRIOR_TRIALS * _UNTRIED) / (t + PRIOR_TRIALS)
+        return self._by_n.rate(n, _UNTRIED)
 
     def rate(self, seq: Sequence) -> float:
         """The acceptance ``seq``'s current draft is weighed with: its own for the draft's
@@ -204,9 +200,6 @@ class Speculator:
         if seq.drafting is not None and drafted:
             n = seq.drafting.n
             seq.drafting.k.update(n, drafted, accepted)
-            miss = accepted < drafted
-            c = self._by_n.setdefault(n, [0.0, 0.0])
-            c[0] = _PRIOR_DECAY * c[0] + accepted
-            c[1] = _PRIOR_DECAY * c[1] + accepted + miss
+            self._by_n.update(n, drafted, accepted)
         self.drafted += drafted
         self.accepted += accepted
