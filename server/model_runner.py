@@ -30,6 +30,9 @@ from .speculation import Speculator
 from .step_costs import StepCosts
 
 
+_ARGMAX_ALL = 1 << 17  # logits floats (batch x positions x vocabulary) reduced in one argmax
+
+
 class ModelRunner:
     def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
                  metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None,
@@ -237,14 +240,19 @@ class ModelRunner:
         n = len(active)
         before = kv.used[:n].tolist()
         rows = [[s.feed, *d] for s, d in zip(active, drafts)]
+        S = max(map(len, rows))
         t0 = time.monotonic()
         logits = self.lm.verify(kv, n, rows)
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
+        # every position's argmax in one call where the rows are few and small; else each
+        # row's as the walk reaches it (most positions after a rejection are never looked at)
+        tops = logits.argmax(axis=2).tolist() if n * S * logits.shape[2] <= _ARGMAX_ALL \
+            else None
         emitted = forced = 0
         for i, (seq, draft) in enumerate(zip(active, drafts)):
-            toks = verify_row(logits[i], draft, lambda j, row, s=seq: self._take(s, row, now),
+            toks = verify_row(logits[i], draft, self._taker(seq, tops and tops[i], now),
                               lambda tok, s=seq: s.done)
             kv.truncate(i, before[i] + len(toks))
             emitted += len(toks)
@@ -258,13 +266,19 @@ class ModelRunner:
                 self.spec.record(seq, len(draft), accepted)
                 self.metrics.speculated(len(draft), accepted)
         seconds = time.monotonic() - t0  # (the whole step, as the plain one's)
-        self.costs.verify_step(n, max(map(len, rows)), seconds)
+        self.costs.verify_step(n, S, seconds)
         if ngram:
             self.spec.backoff.verify_step(n, seconds, emitted - forced)
 
-    def _take(self, seq: Sequence, row: np.ndarray, now: float) -> int:
-        """The token ``seq`` takes from a verification's ``row`` (its plain path's choice)."""
-        return self.choose(seq, row, None, int(row.argmax()) if _greedy(seq) else None, now=now)
+    def _taker(self, seq: Sequence, tops: list[int] | None, now: float):
+        """The token ``seq`` takes from a verification's row at position j (its plain path's
+        choice); ``tops``: each position's argmax, when already reduced."""
+        def take(j: int, row: np.ndarray) -> int:
+            tok = None
+            if _greedy(seq):
+                tok = tops[j] if tops is not None else int(row.argmax())
+            return self.choose(seq, row, None, tok, now=now)
+        return take
 
     def choose(self, seq: Sequence, raw: np.ndarray, attention, tok: int | None = None,
                premasked: bool = False, now: float | None = None) -> int:
