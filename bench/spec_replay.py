@@ -5,18 +5,20 @@ more than the policy changes one wants to compare).
 
 1. continuations: the artifact continues the held-out files' prompts greedily (the bench's
    runner loop, ``LoopRunner``: prefill, then ``decode`` and argmax), ``--new`` tokens each;
-2. costs, two tables: onnxruntime's seconds for one call of S = 1 .. K + 1 positions at
+2. costs, three tables: onnxruntime's seconds for one call of S = 1 .. K + 1 positions at
    batch 1 (the model's own ``decode`` / ``verify``, each shape repeated in a row, the median
-   of several passes) over S = 1's; and what the engine itself measured (``StepCosts``: whole
+   of several passes) over S = 1's; what the engine itself measured (``StepCosts``: whole
    steps, the call and the handling of its tokens, among the engine's other threads) after
-   serving the same prompts with speculation on;
+   serving the same prompts with speculation on; and onnxruntime's at every n = 1 .. ``--batch``
+   rows, over a plain call at ``--batch`` rows;
 3. replay: the engine's ``Speculator`` (``server/speculation.py``: the n-gram lookups, the
    acceptance estimates, ``StepCosts``, the backoff) drafts for each sequence as in the
-   engine; greedy verification keeps exactly the draft's prefix that agrees with the
+   engine, one at a time with the first two tables, ``--batch`` at a time (as the bench's
+   spec cell: the group waits for its slowest row) with the third; greedy verification keeps exactly the draft's prefix that agrees with the
    continuation, plus one token; each step is charged its shape's measured cost.
 
-The figure is the tokens per unit of cost over the plain steps' (1 token per step at cost 1):
-the speedup speculation gives where steps cost what the table says.
+The figure is the plain steps' cost over the replay's: the speedup speculation gives where
+steps cost what the table says (at batch 1: the tokens per unit of cost).
 
     python -m kvserve.bench.spec_replay --cache .bench [--update]
 
@@ -42,37 +44,39 @@ def continuations(loop, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def call_costs(lm, prompt: list[int], max_positions: int, repeats: int = 20,
-               passes: int = 5) -> dict[int, float]:
-    """{S: seconds of a call of S positions at batch 1 / a plain step's}: each shape timed
-    ``repeats`` times in a row after ``prompt``, the median per pass, the median of the
-    passes' ratios."""
+               passes: int = 5, batch: int = 1) -> dict[tuple[int, int], float]:
+    """{(n, S): seconds of a call of S positions a row at batch n / a plain step's at
+    ``batch``} for n = 1 .. ``batch``: each shape timed ``repeats`` times in a row after
+    ``prompt`` (every row), the median per pass, the median of the passes' ratios."""
     import numpy as np
 
-    kv = lm.new_cache(1, capacity=len(prompt) + max_positions + 1)
-    lm.prefill(kv, 0, [np.asarray(prompt, np.int64)], last=True)
+    kv = lm.new_cache(batch, capacity=len(prompt) + max_positions + 1)
+    lm.prefill(kv, 0, [np.asarray(prompt, np.int64)] * batch, last=True)
     base = int(kv.used[0])
-    ratios: dict[int, list[float]] = {S: [] for S in range(1, max_positions + 1)}
+    shapes = [(n, S) for n in range(1, batch + 1) for S in range(1, max_positions + 1)]
+    ratios: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
     for _ in range(passes):
         med = {}
-        for S in range(1, max_positions + 1):
+        for n, S in shapes:
             ts = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 if S == 1:
-                    lm.decode(kv, 1, [5])
+                    lm.decode(kv, n, [5] * n)
                 else:
-                    lm.verify(kv, 1, [[5] * S])
+                    lm.verify(kv, n, [[5] * S] * n)
                 ts.append(time.perf_counter() - t0)
-                kv.truncate(0, base)
-            med[S] = statistics.median(ts)
-        for S in med:
-            ratios[S].append(med[S] / med[1])
-    return {S: statistics.median(v) for S, v in ratios.items()}
+                for b in range(n):
+                    kv.truncate(b, base)
+            med[n, S] = statistics.median(ts)
+        for shape in shapes:
+            ratios[shape].append(med[shape] / med[batch, 1])
+    return {shape: statistics.median(v) for shape, v in ratios.items()}
 
 
 def engine_costs(artifact: str, prompts: list[list[int]], n: int, threads: int,
-                 k_max: int) -> dict[int, float]:
-    """{S: a step of S positions at batch 1 / a plain step}, as the engine measured them
+                 k_max: int) -> dict[tuple[int, int], float]:
+    """{(1, S): a step of S positions at batch 1 / a plain step}, as the engine measured them
     (``StepCosts.relative``: measured shapes, the others interpolated) after continuing
     ``prompts`` ``n`` tokens each with speculation on."""
     from .runner_kvserve import EngineRunner
@@ -81,50 +85,62 @@ def engine_costs(artifact: str, prompts: list[list[int]], n: int, threads: int,
     try:
         for p in prompts:
             r.timed([p], n)
-        return {S: r.engine.costs.relative(1, S) for S in range(1, k_max + 2)}
+        return {(1, S): r.engine.costs.relative(1, S) for S in range(1, k_max + 2)}
     finally:
         r.engine.stop()
 
 
-def replay(prompts: list[list[int]], outs: list[list[int]], costs: dict[int, float],
-           k_max: int = 8) -> dict:
-    """The engine's speculator on these continuations, each step charged ``costs[S]``."""
+def replay(prompts: list[list[int]], outs: list[list[int]],
+           costs: dict[tuple[int, int], float], k_max: int = 8, batch: int = 1) -> dict:
+    """The engine's speculator on these continuations (equal lengths), ``batch`` at a time as
+    the bench's spec cell submits them (a group waits for its slowest row; nothing queued), a
+    step of S positions at n rows charged ``costs[n, S]``. ``speedup``: the plain steps'
+    cost over the replay's."""
     from kvserve.model.sampling import SamplingParams
     from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
     from kvserve.server.sequence import Handle, Sequence
     from kvserve.server.speculation import Speculator
 
     sp = Speculator(k_max, max_seq_len=1 << 20)
-    unit = 1e-3  # (a plain step: 1 ms)
+    unit = 1e-3  # (a plain step at ``batch`` rows: 1 ms)
     tokens = steps = verified = 0
-    cost = 0.0
-    for prompt, out in zip(prompts, outs):
-        req = GenerateRequest(list(prompt), SamplingParams(),
-                              StopParams(max_new_tokens=len(out)), OutputParams())
-        seq = Sequence(req, Handle("replay", lambda: None), submitted=0.0)
-        sp.admit(seq)
-        seq.generated = [out[0]]  # (the prefill's token)
-        while len(seq.generated) < len(out):
-            i = len(seq.generated)
-            drafts = sp.drafts([seq])
+    cost = plain = 0.0
+    for lo in range(0, len(prompts), batch):
+        active, goal = [], {}
+        for prompt, out in zip(prompts[lo:lo + batch], outs[lo:lo + batch]):
+            req = GenerateRequest(list(prompt), SamplingParams(),
+                                  StopParams(max_new_tokens=len(out)), OutputParams())
+            seq = Sequence(req, Handle("replay", lambda: None), submitted=0.0)
+            sp.admit(seq)
+            seq.generated = [out[0]]  # (the prefill's token)
+            active.append(seq)
+            goal[id(seq)] = out
+        plain += max(len(o) - 1 for o in goal.values()) * costs[len(active), 1]
+        while active:
+            n = len(active)
+            drafts = sp.drafts(active)
+            S = 1 if drafts is None else 1 + max(map(len, drafts))
+            seconds = costs[n, S] * unit
             if drafts is None:
-                sp.backoff.plain_step(1, sp.costs.plain_step(1, unit))
-                seq.generated.append(out[i])
-                tokens, steps, cost = tokens + 1, steps + 1, cost + 1.0
-                continue
-            draft = drafts[0]
-            m = 0
-            while m < len(draft) and i + m < len(out) - 1 and draft[m] == out[i + m]:
-                m += 1
-            S = 1 + len(draft)
-            seconds = costs[S] * unit
-            sp.record(seq, len(draft), m)
-            sp.costs.verify_step(1, S, seconds)
-            sp.backoff.verify_step(1, seconds, m + 1)
-            seq.generated.extend(out[i:i + m + 1])
-            tokens, steps, verified, cost = tokens + m + 1, steps + 1, verified + 1, \
-                cost + costs[S]
-    return {"speedup": tokens / cost, "tokens_per_step": tokens / steps,
+                sp.backoff.plain_step(n, sp.costs.plain_step(n, seconds))
+                drafts = [[]] * n
+            emitted = 0
+            for seq, draft in zip(active, drafts):
+                out, i = goal[id(seq)], len(seq.generated)
+                m = 0
+                while m < len(draft) and i + m < len(out) - 1 and draft[m] == out[i + m]:
+                    m += 1
+                if S > 1:
+                    sp.record(seq, len(draft), m)
+                seq.generated.extend(out[i:i + m + 1])
+                emitted += m + 1
+            if S > 1:
+                sp.costs.verify_step(n, S, seconds)
+                sp.backoff.verify_step(n, seconds, emitted)
+                verified += 1
+            tokens, steps, cost = tokens + emitted, steps + 1, cost + costs[n, S]
+            active = [s for s in active if len(s.generated) < len(goal[id(s)])]
+    return {"speedup": plain / cost, "tokens_per_step": tokens / steps,
             "verification_steps": verified, "steps": steps, "tokens": tokens,
             "drafted": sp.drafted, "accepted": sp.accepted,
             "acceptance": sp.accepted / sp.drafted if sp.drafted else None}
@@ -138,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new", type=int, default=128, help="tokens continued per file")
     ap.add_argument("--k", type=int, default=8, help="--speculative-tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8, help="the batched replay's size (the "
+                    "bench's spec cell: a group of this many waits for its slowest row)")
     ap.add_argument("--update", action="store_true", help=f"write {RESULTS}")
     args = ap.parse_args(argv)
     from .runner_kvserve import LoopRunner
@@ -151,13 +169,19 @@ def main(argv: list[str] | None = None) -> dict:
     loop = LoopRunner(str(art), threads=args.threads)
     t0 = time.perf_counter()
     outs = continuations(loop, prompts, args.new)
-    tables = {"onnxruntime": call_costs(loop.lm, prompts[0], args.k + 1),
-              "engine": engine_costs(str(art), prompts, args.new, args.threads, args.k)}
+    # batch 1: onnxruntime's call costs and the engine's step costs; batched: onnxruntime's
+    runs = {"onnxruntime": (1, call_costs(loop.lm, prompts[0], args.k + 1)),
+            "engine": (1, engine_costs(str(art), prompts, args.new, args.threads, args.k))}
+    if args.batch > 1:
+        runs[f"onnxruntime_batch{args.batch}"] = (args.batch, call_costs(
+            loop.lm, prompts[0], args.k + 1, batch=args.batch))
     out = {"artifact": str(art), "files": names, "new_tokens": args.new, "k": args.k,
            "threads": args.threads, "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    for name, costs in tables.items():
-        out[name] = {"relative_costs": {str(S): round(c, 3) for S, c in costs.items()},
-                     **replay(prompts, outs, costs, args.k)}
+    for name, (batch, costs) in runs.items():
+        out[name] = {"batch": batch,
+                     "relative_costs": {(str(S) if batch == 1 else f"{n}x{S}"): round(c, 3)
+                                        for (n, S), c in costs.items()},
+                     **replay(prompts, outs, costs, args.k, batch)}
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.update:

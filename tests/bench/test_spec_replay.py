@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.bench import spec_replay as R
 
-COSTS = {S: 1.0 + 0.1 * (S - 1) for S in range(1, 10)}  # cheap extra positions (a big model)
-DEAR = {1: 1.0, **{S: 2.5 + 0.2 * S for S in range(2, 10)}}  # ... or dear ones (a tiny one)
+COSTS = {(1, S): 1.0 + 0.1 * (S - 1) for S in range(1, 10)}  # cheap extra positions (a big
+DEAR = {(1, 1): 1.0, **{(1, S): 2.5 + 0.2 * S for S in range(2, 10)}}  # model) or dear ones
 
 
 def test_a_looping_continuation_is_decoded_in_fewer_steps():
@@ -54,5 +54,41 @@ def test_continuations_and_call_costs_on_the_tiny_artifact(artifact):
     logits = lm.prefill(kv, 0, [np.asarray(prompts[0])], last=True).logits[0][-1]
     assert outs[0][0] == int(logits.argmax())
     costs = R.call_costs(lm, prompts[0], 4, repeats=2, passes=1)
-    assert sorted(costs) == [1, 2, 3, 4] and costs[1] == pytest.approx(1.0)
-    assert all(c > 0 for c in costs.values())
+    assert sorted(costs) == [(1, 1), (1, 2), (1, 3), (1, 4)]
+    assert costs[1, 1] == pytest.approx(1.0) and all(c > 0 for c in costs.values())
+    batched = R.call_costs(lm, prompts[0], 3, repeats=2, passes=1, batch=2)
+    assert sorted(batched) == [(n, S) for n in (1, 2) for S in (1, 2, 3)]
+    assert batched[2, 1] == pytest.approx(1.0) and all(c > 0 for c in batched.values())
+
+
+def _batch_costs(batch: int, fixed: float, per_row: float, per_position: float) -> dict:
+    """A call's cost: a fixed part (reading the weights), and a part per row and position,
+    over a plain call at ``batch`` rows."""
+    def c(n, S):
+        return fixed + per_row * n + per_position * n * (S - 1)
+    return {(n, S): c(n, S) / c(batch, 1) for n in range(1, batch + 1) for S in range(1, 10)}
+
+
+def test_a_batch_is_charged_by_its_rows_and_positions():
+    """Four rows, one of which loops: its drafts are verified, it finishes early, and the
+    other three go on in a smaller (cheaper) batch; with no drafts at all, plain steps."""
+    rnd = random.Random(9)
+    prompts, outs = [], []
+    for b in range(4):
+        prompts.append([rnd.randrange(1000) for _ in range(64)] if b else [1, 2, 3, 4] * 16)
+        outs.append([rnd.randrange(1000) for _ in range(96)] if b else [1, 2, 3, 4] * 24)
+    costs = _batch_costs(4, fixed=0.5, per_row=0.0625, per_position=0.01)
+    got = R.replay(prompts, outs, costs, batch=4)
+    assert got["tokens"] == 4 * 95 and got["verification_steps"] > 0
+    # the loop done in a few verifications (1.4 plain steps each), then 3 rows at 0.92 of the
+    # 4 rows' cost: 1.02
+    assert 1.005 < got["speedup"] < 1.1
+    plain = R.replay(prompts[1:], outs[1:], costs, batch=4)
+    assert plain["steps"] == 95 and plain["speedup"] >= 0.97  # (a few tried drafts)
+
+
+def test_a_batch_of_loops_is_sped_up():
+    prompts = [[b, b + 1, b + 2] * 10 for b in range(0, 40, 10)]
+    outs = [[b, b + 1, b + 2] * 30 for b in range(0, 40, 10)]
+    got = R.replay(prompts, outs, _batch_costs(4, 1.0, 0.1, 0.02), batch=4)
+    assert got["speedup"] > 3 and got["acceptance"] > 0.9
