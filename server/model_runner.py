@@ -246,14 +246,21 @@ class ModelRunner:
         self.steps += 1
         now = time.monotonic()
         self.metrics.step(n, now - t0)
-        # every position's argmax in one call where the rows are few and small; else each
-        # row's as the walk reaches it (most positions after a rejection are never looked at)
-        tops = logits.argmax(axis=2).tolist() if n * S * logits.shape[2] <= _ARGMAX_ALL \
+        # the positions' argmax in one call where the logits are few (else a quiet row's
+        # in one call per row, the others' as the walk reaches them)
+        every = logits.argmax(axis=2).tolist() if n * S * logits.shape[2] <= _ARGMAX_ALL \
             else None
         emitted = forced = 0
         for i, (seq, draft) in enumerate(zip(active, drafts)):
-            toks = verify_row(logits[i], draft, self._taker(seq, tops and tops[i], now),
-                              lambda tok, s=seq: s.done)
+            tops = every[i] if every is not None else None
+            toks = None
+            if seq.quiet is not None and len(seq.generated) >= seq.quiet.start:
+                if tops is None:
+                    tops = logits[i, :len(draft) + 1].argmax(axis=1).tolist()
+                toks = self._quiet_walk(seq, draft, tops, now)
+            if toks is None:
+                toks = verify_row(logits[i], draft, self._taker(seq, tops, now),
+                                  lambda tok, s=seq: s.done)
             kv.truncate(i, before[i] + len(toks))
             emitted += len(toks)
             accepted = accepted_count(draft, toks)
@@ -269,6 +276,24 @@ class ModelRunner:
         self.costs.verify_step(n, S, seconds)
         if ngram:
             self.spec.backoff.verify_step(n, seconds, emitted - forced)
+
+    def _quiet_walk(self, seq: Sequence, draft: list[int], tops: list[int], now: float
+                    ) -> list[int] | None:
+        """``verify_row``'s walk for a row past its ``stopping.QuietRule``'s start (greedy), from
+        its positions' argmax ``tops``: the agreeing draft tokens and the one after them, each
+        recorded quietly, where none of them can end the sequence (else None: the walk
+        token by token). The same tokens: each is its position's argmax, and a token that
+        leaves the sequence going stops nothing."""
+        rule, k = seq.quiet, len(seq.generated)
+        m = 0
+        while m < len(draft) and tops[m] == draft[m]:
+            m += 1
+        toks = tops[:m + 1]
+        if k + len(toks) >= rule.max_new_tokens or not rule.ends.isdisjoint(toks):
+            return None
+        for tok in toks:
+            self.output.hold(seq, tok, now)
+        return toks
 
     def _taker(self, seq: Sequence, tops: list[int] | None, now: float):
         """The token ``seq`` takes from a verification's row at position j (its plain path's

@@ -114,6 +114,26 @@ def test_staged_callers_take_the_lean_path_through_verification(lm):
         fast.stop()
 
 
+def test_a_stop_id_inside_an_accepted_draft_ends_the_staged_stream_where_plain_does(lm):
+    """A held (quiet) row whose verified tokens hold a stop id, or reach max_new_tokens, is
+    walked token by token: it ends at the same token as the plain path."""
+    plain, fast = _engine(lm, 0, 0, 0.05), _engine(lm, 0, 4, 0.05)
+    try:
+        loose = _tokens(_run(plain, _requests(SamplingParams(), n=40)))
+        reqs = _requests(SamplingParams(), n=37)
+        for r, toks in zip(reqs, loose):
+            r.stopping = StopParams(max_new_tokens=37, ignore_eos=True,
+                                    stop_token_ids=(toks[25],))
+        want = _tokens(_run(plain, reqs))
+        got = _tokens(_run(fast, reqs))
+        assert got == want
+        assert all(len(t) <= 37 for t in got) and any(len(t) < 37 for t in got)
+        assert fast.spec.accepted > 0
+    finally:
+        plain.stop()
+        fast.stop()
+
+
 def test_shared_prefix_admitted_together_is_computed_once(lm):
     """Three requests with the same 40-token prefix arrive together: the first prefills it,
     the others restore its two blocks (32 tokens) from the cache."""
