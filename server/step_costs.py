@@ -22,9 +22,11 @@ import bisect
 import statistics
 from collections import deque
 
-_EMA = 0.2  # weight of the newest plain step's seconds
-_SAMPLES = 9  # a shape's figure: the median of this many recent calls (one call slowed by
-# another process moves a median little; it moves an average a lot)
+_SAMPLES = 9  # a shape's figure, and a plain step's: the median of this many recent calls (one
+# call slowed by another process moves a median little; it moves an average a lot: over one
+# run of the default trained model at batch 8 then 1, an average of the plain steps (weight
+# 0.2 for the newest) ranged 3.5-4.7 ms at batch 8 and 1.3-2.5 ms at batch 1, where the steps'
+# median was 4.0 and 1.4 ms; each verification's ratio is taken against that figure)
 # before a batch size's verification is measured: an extra position costs this fraction of a
 # plain step (optimistic, so that the first verification measures it)
 PRIOR_PER_POSITION = 0.05
@@ -35,7 +37,8 @@ class StepCosts:
     shape (``verify_step``), and the relative cost of a shape (``relative``)."""
 
     def __init__(self):
-        self.plain: dict[int, float] = {}  # batch size -> EMA seconds of a plain step
+        self.plain: dict[int, float] = {}  # batch size -> seconds of a plain step (median)
+        self._plain_samples: dict[int, deque] = {}  # batch size -> recent steady seconds
         self._samples: dict[int, dict[int, deque]] = {}  # n -> S -> recent seconds / plain
         self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
         self._last: tuple[int, int] | None = None  # the last step's (n, S)
@@ -49,8 +52,9 @@ class StepCosts:
         steady = self._last in (None, (n, 1))
         self._last = (n, 1)
         if steady:
-            old = self.plain.get(n)
-            self.plain[n] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+            recent = self._plain_samples.setdefault(n, deque(maxlen=_SAMPLES))
+            recent.append(seconds)
+            self.plain[n] = statistics.median(recent)
         return steady
 
     def verify_step(self, n: int, positions: int, seconds: float) -> None:
