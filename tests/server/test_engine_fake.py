@@ -242,7 +242,8 @@ def test_the_batch_argmax_fast_path_picks_what_each_row_would_alone(make_engine)
 def test_admission_reserves_each_requests_rows(make_engine):
     """A request's prompt and new tokens are reserved when it is admitted (the fused cache
     grows once instead of copying its buffers mid-decode), capped by the context; a shrink
-    after a request leaves keeps the rows the others still may fill."""
+    after a request leaves keeps the rows the others still may fill (with none left, the rows
+    the leaving ones had: the next request of a sequential client finds the same room)."""
     engine, lm = make_engine(FakeLM(V, step_delay=0.002), max_batch=2)  # 200 steps: 0.4 s
     long_h = engine.submit(_req([1, 2, 3], 200))
     assert next(iter(long_h)).index == 0  # admitted
@@ -252,7 +253,7 @@ def test_admission_reserves_each_requests_rows(make_engine):
     kv = engine.kv
     assert kv.reserved[0] == 3 + 200 + 1 and kv.reserved[1] == 3 + 200 + 1  # both admitted
     assert 3 + 200 + 1 in kv.kept  # the short one left: the long one's rows kept
-    assert kv.kept[-1] == 0  # the last one left
+    assert kv.kept[-1] == 3 + 200 + 1  # the last one left: an emptied batch keeps its room
     _collect(engine.submit(_req([1], 10_000)))  # more than the context (256) allows
     assert kv.reserved[-1] == 256 + 1
 
