@@ -398,13 +398,17 @@ def merge_runners(old: dict, new: dict) -> dict:
     replace theirs (their cells measured together in this run), except the speed cells the
     results already have (measured with ``engine_on`` in a ``--speed-only`` run: their turns
     pair with its); the other runners and the earlier meta stay; the run's own meta goes to
-    ``runners_meta`` (by runner)."""
+    ``runners_meta`` (by runner). The run's roofline replaces the earlier one where it
+    measured the engine: the tables set the engine's figures against it, and this machine's
+    speed differs from run to run."""
     out = json.loads(json.dumps(old))
     for r, v in new.get("runners", {}).items():
         keep = {g: out["runners"][r][g] for g in SPEED_GROUPS
                 if g in out.get("runners", {}).get(r, {})}
         out.setdefault("runners", {})[r] = {**v, **keep}
         out.setdefault("runners_meta", {})[r] = new["meta"]
+    if "engine" in new.get("runners", {}) and new.get("roofline"):
+        out["roofline"] = {**out.get("roofline", {}), **new["roofline"]}
     return out
 
 

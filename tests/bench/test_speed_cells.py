@@ -163,6 +163,12 @@ def test_runner_subset_results_merge_into_the_size():
     assert out["runners"]["genai"] == {"decode": {"1x128": 20}, "spec": {"1": "kept"}}
     assert out["runners"]["hf"] == {"score": 3} and out["meta"] == {"date": "morning"}
     assert out["runners_meta"]["grpc"] == {"date": "evening"}
+    old["roofline"] = {"bandwidth": "morning"}
+    assert merge_runners(old, {**new, "roofline": {"bandwidth": "evening"}})["roofline"] == \
+        {"bandwidth": "morning"}  # (no engine in the run: its figures are the earlier ones)
+    new["runners"]["engine"] = {"score": {"tok_s": 7}}
+    assert merge_runners(old, {**new, "roofline": {"bandwidth": "evening"}})["roofline"] == \
+        {"bandwidth": "evening"}  # set against the engine measured with it
 
 
 def test_held_out_files_are_the_trainers_validation_documents(tmp_path):
