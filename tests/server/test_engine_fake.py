@@ -254,7 +254,10 @@ def test_admission_reserves_each_requests_rows(make_engine):
     assert kv.reserved[0] == 3 + 200 + 1 and kv.reserved[1] == 3 + 200 + 1  # both admitted
     assert 3 + 200 + 1 in kv.kept  # the short one left: the long one's rows kept
     assert kv.kept[-1] == 3 + 200 + 1  # the last one left: an emptied batch keeps its room
-    _collect(engine.submit(_req([1], 10_000)))  # more than the context (256) allows
+    capped = engine.submit(_req([1], 10_000))  # more than the context (256) allows
+    assert next(iter(capped)).index == 0  # admitted: its reservation is made
+    capped.cancel()  # (the engine trusts the request mapping's context check: left to run,
+    _collect(capped)  # the fake model would make all 10,000 tokens, 20 s of steps)
     assert kv.reserved[-1] == 256 + 1
 
 
