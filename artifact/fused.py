@@ -36,6 +36,9 @@ _DTYPES = {"float32": np.float32, "float16": np.float16}
 _INT = struct.Struct("i")  # total_sequence_length, a 0-d int32 array
 
 
+# decode and verify write their ids and counters with struct (one C call each, into the
+# arrays' buffers): numpy's ufunc machinery, run right after onnxruntime has evicted the
+# caches, cost ~10-30 us a call on the 2-core bench machine, a good part of a small model's step
 @functools.lru_cache(maxsize=256)
 def _longs(n: int) -> struct.Struct:
     """n int64s (token ids, ``kv.used``)."""
@@ -408,19 +411,19 @@ class FusedLM(ArtifactRunner):
         if isinstance(tokens, np.ndarray):
             tokens = tokens.tolist()
         bound = self._bound.get((attention, n, kv.generation))
-        used = bound.longs.unpack_from(kv.used) if bound is not None else \
-            tuple(kv.used[:n].tolist())  # each slot's rows before the step
+        longs = _longs(n)
+        used = longs.unpack_from(kv.used)  # each slot's rows before the step
         top = max(used) + 1  # the longest slot's rows after it
         if top > kv.capacity:
             kv.ensure_capacity(top)  # (a new buffer generation: a new binding)
             bound = None
         if bound is None:
             bound = self._step_binding(kv, n, attention)
-        bound.longs.pack_into(bound.ids, 0, *tokens)
-        bound.ints.pack_into(bound.seqlens, 0, *used)  # the rows after the step, minus one
+        longs.pack_into(bound.ids, 0, *tokens)
+        _ints(n).pack_into(bound.seqlens, 0, *used)  # the rows after the step, minus one
         _INT.pack_into(bound.total, 0, top)
         self._call(bound)
-        bound.longs.pack_into(kv.used, 0, *[u + 1 for u in used])
+        longs.pack_into(kv.used, 0, *[u + 1 for u in used])
         attn = None
         if attention:
             a = bound.attentions()  # L x (n, H, 1, total)
@@ -441,16 +444,14 @@ class FusedLM(ArtifactRunner):
         if len(rows) != n or not all(lens):
             raise ValueError("verify needs one non-empty row per slot")
         S = max(lens)
-        # inputs written with struct, as decode's (see _step_binding): each small numpy op
-        # here cost ~10-30 us right after a run, a good part of a small model's step
-        used = _longs(n).unpack_from(kv.used)  # each slot's rows before the call
+        longs = _longs(n)
+        used = longs.unpack_from(kv.used)  # each slot's rows before the call
         after = [u + m for u, m in zip(used, lens)]
         top = max(after)
         if top > self.cfg.max_seq_len:
             raise ValueError(f"a verification row would pass the model's context of "
                              f"{self.cfg.max_seq_len} tokens (cap the draft)")
-        if max(used) + S > kv.capacity:
-            kv.ensure_capacity(max(used) + S)
+        kv.ensure_capacity(max(used) + S)
         key = (n, S, kv.generation)
         bound = self._verify_bound.get(key)
         if bound is None:
@@ -469,7 +470,7 @@ class FusedLM(ArtifactRunner):
         ints.pack_into(bound.seqlens, 0, *[a - 1 for a in after])
         _INT.pack_into(bound.total, 0, top)
         self._call(bound)
-        _longs(n).pack_into(kv.used, 0, *after)
+        longs.pack_into(kv.used, 0, *after)
         return bound.logits
 
     def _step_binding(self, kv: DeviceKV, n: int, attention: bool) -> _Bound:
@@ -477,10 +478,6 @@ class FusedLM(ArtifactRunner):
         buffer generations are dropped (they hold the old buffers alive)."""
         bound = _Bound(self, self.session(attention), kv, 0, n, 1, attention, False)
         bound.qlens[:] = 1
-        # a step writes its n ids and counters with struct (one C call each, into the arrays'
-        # buffers): numpy's ufunc machinery, run right after onnxruntime has evicted the caches,
-        # cost ~10-30 us a call on the 2-core bench machine
-        bound.longs, bound.ints = struct.Struct(f"{n}q"), struct.Struct(f"{n}i")
         self._bound = {k: v for k, v in self._bound.items() if k[2] == kv.generation}
         self._bound[(attention, n, kv.generation)] = bound
         return bound
