@@ -285,10 +285,7 @@ class ModelRunner:
         token by token). The same tokens: each is its position's argmax, and a token that
         leaves the sequence going stops nothing."""
         rule, k = seq.quiet, len(seq.generated)
-        m = 0
-        while m < len(draft) and tops[m] == draft[m]:
-            m += 1
-        toks = tops[:m + 1]
+        toks = tops[:accepted_count(draft, tops) + 1]
         if k + len(toks) >= rule.max_new_tokens or not rule.ends.isdisjoint(toks):
             return None
         for tok in toks:

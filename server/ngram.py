@@ -222,15 +222,11 @@ def best_positions(rows: list[tuple[float, int]], cost) -> int:
     if top == 0:
         return 1
     # tokens[j]: the batch's expected tokens at S = j + 1 (each row: 1 + a + .. + a^min(j, k))
-    tokens = [float(len(rows))] * (top + 1)
+    tokens = [0.0] * (top + 1)
     for a, k in rows:
-        p, e = 1.0, 0.0
-        for j in range(1, k + 1):
-            p *= a
-            e += p
-            tokens[j] += e
-        for j in range(k + 1, top + 1):  # (a shorter draft: its tokens stop growing)
-            tokens[j] += e
+        g = expected(a, k)
+        for j in range(top + 1):  # (a shorter draft: its tokens stop growing)
+            tokens[j] += g[min(j, k)]
     best, best_s = tokens[0] / cost(1), 1
     for s in range(2, top + 2):
         v = tokens[s - 1] / cost(s)
