@@ -157,7 +157,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  template_kwargs=kwargs)
 
     def _chunk(self, ev: TokenEvent) -> pb.GenerateResponse:
-        c = pb.TokenChunk(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)
+        return pb.GenerateResponse(chunk=self._token(pb.TokenChunk, ev))
+
+    def _token(self, make, ev: TokenEvent) -> pb.TokenChunk:
+        """``ev`` as a ``TokenChunk`` made by ``make`` (the message class, or a repeated field's
+        ``add``: a coalesced token is written into its message, not copied into it)."""
+        c = make(index=ev.index, id=ev.token_id, text=ev.text, special=ev.special)
         if ev.logprob is not None:
             c.logprob = ev.logprob
         if ev.top_ids is not None:
@@ -168,7 +173,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             c.logits.extend(ev.logits.tolist())
         for layer, head, row in ev.attention:
             c.attention.add(layer=layer, head=head, weights=row.tolist())
-        return pb.GenerateResponse(chunk=c)
+        return c
 
     def _token_text(self, i: int) -> str:
         return self.tb[i].decode("utf-8", errors="replace")
@@ -205,7 +210,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if movable and self.state.draining:
                     self._move(handle, context)
                 msg = self._chunk(ev)
-                while coalesce and len(msg.more) < _COALESCE_MAX:
+                more = msg.more
+                while coalesce and len(more) < _COALESCE_MAX:
                     try:  # tokens that are ready already ride along
                         nxt = handle.events.get_nowait()
                     except queue.Empty:
@@ -213,7 +219,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if not isinstance(nxt, TokenEvent):
                         held = nxt
                         break
-                    msg.more.append(self._chunk(nxt).chunk)
+                    self._token(more.add, nxt)
                 yield msg
                 continue
             assert isinstance(ev, FinishEvent)
