@@ -116,7 +116,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     while True:
         got = signal.sigtimedwait(signals, 1.0)
-        if got is not None:
+        # a debugger or sampling profiler attaching (ptrace: py-spy, gdb) can make the wait
+        # return a struct of garbage instead of None: only one of ours is a signal
+        if got is not None and got.si_signo in signals:
             log.info("received %s", signal.Signals(got.si_signo).name)
             break
         if not app.engine.alive:

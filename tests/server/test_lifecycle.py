@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -270,3 +272,40 @@ def test_server_package_does_not_import_torch():
     code = ("import sys, kvserve.server.main, kvserve.server.app, kvserve.server.engine; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_profiler_attaching_does_not_stop_the_server(artifact, tmp_path):
+    """py-spy samples a serving process by ptrace; CPython's sigtimedwait, interrupted by an
+    attach, can return a struct of garbage instead of None: it was taken for a signal and the
+    server died (a ValueError naming no signal) with its streams cut."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).is_file():
+        pytest.skip("py-spy is not installed (the test extra has it)")
+    proc, port_file = _serve(artifact.dir, tmp_path)
+    try:
+        assert wait_for(port_file.exists, 60), (tmp_path / "server.log").read_text()
+        port = json.loads(port_file.read_text())["port"]
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.InferenceStub(ch)
+        assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).limits.max_batch >= 1
+        spy_run = subprocess.Popen([spy, "record", "--rate", "500", "--duration", "3",
+                                    "--format", "raw", "--output", str(tmp_path / "spy.txt"),
+                                    "--pid", str(proc.pid)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        served = 0
+        while spy_run.poll() is None:  # streams served while it samples: none is cut
+            chunks, done = collect(stub.Generate(gen_request("x", 64, **SLOW), timeout=60))
+            assert done.finish_reason == pb.FINISH_REASON_LENGTH
+            assert done.generated_tokens == len(chunks) == 64
+            served += 1
+        out = spy_run.stdout.read()
+        if spy_run.returncode != 0 and "ermission" in out:
+            pytest.skip(f"ptrace is not permitted here: {out.strip()[:200]}")
+        assert spy_run.returncode == 0, out
+        assert served >= 1
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).limits.max_batch >= 1
+        ch.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
