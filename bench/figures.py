@@ -98,12 +98,21 @@ def speed(size: dict, runner: str, group: str, name: str, field: str):
     return get(size, "runners", runner, group, name, field)
 
 
+def speed_date(size: dict, runner: str) -> str | None:
+    """The earlier run a runner's speed cells come from (``main.merge_speed``); None: the
+    size's latest speed run (``speed_meta``)."""
+    return get(size, "runners", runner, "speed_date")
+
+
 def paired_speed(size: dict, a: str, b: str, group: str, name: str, field: str
                  ) -> float | None:
     """a's figure over b's at a speed cell: the median over rounds of their turns' ratio
-    (``turns_<field>``), or the ratio of their best figures where there are no turns."""
+    (``turns_<field>``), or the ratio of their best figures where there are no turns or the
+    two were measured in different runs (``speed_date``)."""
     ta = speed(size, a, group, name, f"turns_{field}") or []
     tb = speed(size, b, group, name, f"turns_{field}") or []
+    if speed_date(size, a) != speed_date(size, b):  # two runs: their rounds are not pairs
+        ta = tb = []
     pairs = sorted(x / y for x, y in zip(ta, tb) if x and y)
     if not pairs:
         return ratio(speed(size, a, group, name, field), speed(size, b, group, name, field))

@@ -369,10 +369,18 @@ def merge_speed(old: dict, new: dict) -> dict:
     """A ``--speed-only`` run's cells merged into a size's earlier results: each runner's
     prefix / chat / spec groups replaced, runners new to the file added, the run's own meta
     kept apart (``speed_meta``), the label the new run's; everything else (and its meta) as it
-    was."""
+    was. A runner whose speed cells this run did not measure (llama.cpp where it is not
+    installed) keeps them, marked ``speed_date``: the run they come from, whose rounds pair
+    with no turn of this one."""
     out = json.loads(json.dumps(old))
-    for r, v in new.get("runners", {}).items():
+    measured = new.get("runners", {})
+    earlier = (old.get("speed_meta") or old.get("meta") or {}).get("date", "an earlier run")
+    for r, cur in out.get("runners", {}).items():  # speed cells this run did not measure:
+        if r not in measured and any(g in cur for g in SPEED_GROUPS):  # not paired with its
+            cur.setdefault("speed_date", earlier)  # turns (figures.paired_speed)
+    for r, v in measured.items():
         cur = out.setdefault("runners", {}).setdefault(r, {})
+        cur.pop("speed_date", None)
         if r not in old.get("runners", {}):
             cur.update(v)
             continue

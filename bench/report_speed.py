@@ -2,7 +2,7 @@
 one size's results; ``bench/report.py`` puts them under the size's other tables."""
 from __future__ import annotations
 
-from .figures import fmt, get, speed
+from .figures import fmt, get, speed, speed_date
 
 SPEED_RUNNERS = ["engine", "engine_on", "genai", "llamacpp"]
 LABELS = {"engine": "kvserve engine, prefix cache and speculation off",
@@ -16,7 +16,9 @@ def _label(size: dict, r: str) -> str:
     v = get(size, "runners", r) or {}
     if r == "engine_on" and "prefix_cache_mb" not in v:  # (results merged before it was kept)
         return "kvserve engine, server defaults (prefix cache and speculation on)"
-    return LABELS.get(r, r).format(mb=v.get("prefix_cache_mb"), k=v.get("speculative_tokens"))
+    label = LABELS.get(r, r).format(mb=v.get("prefix_cache_mb"), k=v.get("speculative_tokens"))
+    when = speed_date(size, r)
+    return label if when is None else f"{label}, from an earlier run ({when})"
 
 
 def _with(size: dict, group: str) -> list[str]:

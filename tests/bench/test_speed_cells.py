@@ -344,3 +344,32 @@ def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
         assert toks.shape == (1, 4) and 0 < first <= total
     finally:
         ll.close()
+
+
+def test_speed_cells_of_an_earlier_run_are_marked_and_not_paired():
+    """A runner a --speed-only run did not measure (llama.cpp, where it is not installed)
+    keeps its cells, marked with the run they come from: its rounds pair with none of this
+    run's, so a target takes the ratio of best figures and the table says so."""
+    from kvserve.bench.figures import paired_speed
+    from kvserve.bench.report_speed import spec_table
+
+    def spec(turns):
+        return {"spec": {"1": {"decode_tok_s": max(turns), "turns_decode_tok_s": turns,
+                               "tok_s": max(turns)}}}
+
+    old = {"meta": {"date": "d0"}, "speed_meta": {"date": "d1"},
+           "runners": {"engine_on": spec([100, 400]), "llamacpp": spec([50, 300])}}
+    new = {"meta": {"date": "d2"}, "runners": {"engine_on": spec([200, 220]),
+                                                "engine": spec([100, 110])}}
+    out = merge_speed(old, new)
+    assert out["runners"]["llamacpp"]["speed_date"] == "d1"
+    assert "speed_date" not in out["runners"]["engine_on"]
+    assert paired_speed(out, "engine_on", "engine", "spec", "1", "decode_tok_s") == 2.0
+    # best over best (220 / 300), not the median of 200/50 and 220/300
+    assert paired_speed(out, "engine_on", "llamacpp", "spec", "1",
+                        "decode_tok_s") == pytest.approx(220 / 300)
+    assert "from an earlier run (d1)" in "\n".join(spec_table(out))
+    again = merge_speed(out, {"meta": {"date": "d3"}, "runners": {"engine_on": spec([1])}})
+    assert again["runners"]["llamacpp"]["speed_date"] == "d1"  # (the run that measured it)
+    back = merge_speed(again, {"meta": {"date": "d4"}, "runners": {"llamacpp": spec([7])}})
+    assert "speed_date" not in back["runners"]["llamacpp"]
