@@ -38,7 +38,8 @@ def paired(size: dict, a: str, b: str, cell: str, cell_b: str | None = None
            ) -> float | None:
     """Runner ``a`` against runner ``b`` at a decode cell: the median over rounds of the ratio
     of their turns in the same round (measured seconds apart, so the machine's drift cancels),
-    or the ratio of their best figures where the results have no turns."""
+    or the ratio of their best figures where the results have no turns or the two runners'
+    figures come from different runs (``run_date``)."""
     pairs = sorted(_pairs(size, a, b, cell, cell_b))
     if not pairs:
         return ratio(tok_s(size, a, cell), tok_s(size, b, cell_b or cell))
@@ -46,7 +47,16 @@ def paired(size: dict, a: str, b: str, cell: str, cell_b: str | None = None
     return pairs[mid] if len(pairs) % 2 else (pairs[mid - 1] + pairs[mid]) / 2
 
 
+def run_date(size: dict, runner: str) -> str | None:
+    """When the run that measured ``runner``'s decode cells started: its own
+    (``runners_meta``, a ``--runners`` run merged in) or the size's."""
+    meta = (size.get("runners_meta") or {}).get(runner) or size.get("meta") or {}
+    return meta.get("date")
+
+
 def _pairs(size: dict, a: str, b: str, cell: str, cell_b: str | None = None) -> list[float]:
+    if run_date(size, a) != run_date(size, b):  # two runs: their rounds are not pairs
+        return []
     ta = get(size, "runners", a, "decode", cell, "turns_tok_s") or []
     tb = get(size, "runners", b, "decode", cell_b or cell, "turns_tok_s") or []
     return [x / y for x, y in zip(ta, tb) if x and y]

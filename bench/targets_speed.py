@@ -14,7 +14,7 @@ measured figure that says why where there is one.
 """
 from __future__ import annotations
 
-from .figures import fmt, get, paired, paired_speed, speed, speed_date, tok_s
+from .figures import fmt, get, paired, paired_speed, run_date, speed, speed_date, tok_s
 from .targets import make_target
 
 PREFIX_REST = ("the second request still prefills its own tail and the shared prefix's last "
@@ -152,7 +152,10 @@ def _llamacpp(key: str, size: dict) -> list[dict]:
                 key, f"kvserve {p} ≥ 1.0× llama.cpp {q}, batch {B} (128 new tokens)",
                 paired(size, ours, theirs, cell), 1.0,
                 ([LLAMA_SMALL] if key.startswith("bench-6m") else []) + _loaded(size),
-                f"{fmt(tok_s(size, ours, cell))} vs {fmt(tok_s(size, theirs, cell))} tok/s"))
+                f"{fmt(tok_s(size, ours, cell))} vs {fmt(tok_s(size, theirs, cell))} tok/s"
+                + ("" if run_date(size, ours) == run_date(size, theirs) else
+                   f"; llama.cpp's figure from the run of {run_date(size, theirs)}, kvserve's "
+                   f"from that of {run_date(size, ours)}: best over best, not paired rounds")))
     return out
 
 

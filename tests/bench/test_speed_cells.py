@@ -373,3 +373,22 @@ def test_speed_cells_of_an_earlier_run_are_marked_and_not_paired():
     assert again["runners"]["llamacpp"]["speed_date"] == "d1"  # (the run that measured it)
     back = merge_speed(again, {"meta": {"date": "d4"}, "runners": {"llamacpp": spec([7])}})
     assert "speed_date" not in back["runners"]["llamacpp"]
+
+
+def test_decode_cells_of_two_runs_are_not_paired():
+    """After a --runners merge, a runner measured in the new run and one left from the earlier
+    run have turns from different rounds: their ratio is best over best."""
+    from kvserve.bench.figures import paired
+    from kvserve.bench.main import merge_runners
+
+    def dec(turns):
+        return {"decode": {"1x128": {"tok_s": max(turns), "turns_tok_s": turns}}}
+
+    old = {"meta": {"date": "d0"}, "runners": {"engine": dec([100, 300]),
+                                                "genai": dec([50, 250])}}
+    assert paired(old, "engine", "genai", "1x128") == pytest.approx((2 + 1.2) / 2)
+    out = merge_runners(old, {"meta": {"date": "d1"}, "runners": {"engine": dec([90, 120])}})
+    assert paired(out, "engine", "genai", "1x128") == pytest.approx(120 / 250)
+    both = merge_runners(out, {"meta": {"date": "d2"},
+                               "runners": {"engine": dec([10, 20]), "genai": dec([5, 40])}})
+    assert paired(both, "engine", "genai", "1x128") == pytest.approx((2 + 0.5) / 2)
