@@ -48,8 +48,8 @@ _WORTH = 1.0  # speculation goes on while it yields at least this x the plain to
 @dataclass
 class Drafting:
     """A sequence's speculation state: its n-gram index and draft length."""
-    index: NgramIndex
     k: AdaptiveK
+    index: NgramIndex | None = None  # built at its first lookup, after its first token
     n: int = 0  # the matched n-gram length of its latest draft
     indexed: int = 0  # generated tokens already in the index
     empty: int = 0  # lookups in a row that found no draft
@@ -123,7 +123,7 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         # a constrained row drafts the tokens its grammar forces instead (server.fast_forward)
         if self.eligible(seq) and seq.req.constraint is None:
-            seq.drafting = Drafting(NgramIndex(seq.req.prompt_ids), AdaptiveK(self.k_max))
+            seq.drafting = Drafting(AdaptiveK(self.k_max))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -166,6 +166,9 @@ class Speculator:
             d.skip -= 1
             return []
         gen = seq.generated
+        if d.index is None:  # (not at admission: a 1,000-token prompt's index takes ~1-2 ms,
+            # which would come before the first token; a request of one token needs none)
+            d.index = NgramIndex(seq.req.prompt_ids)
         if d.indexed < len(gen):  # tokens chosen since the last look
             d.index.extend(gen[d.indexed:])
             d.indexed = len(gen)

@@ -88,8 +88,11 @@ def test_drafts_from_the_sequence_itself_within_its_room():
     _plain(sp.backoff, 1, 0.01)
     s = _seq([5, 6, 7, 8, 9, 5, 6], max_new=64)
     sp.admit(s)
+    # the prompt's index is built at the first lookup, after the first token: not before it
+    assert s.drafting is not None and s.drafting.index is None
     s.generated = [7]  # ... 5 6 7: the earlier "5 6 7" was followed by 8 9 5 6
     assert sp.drafts([s]) == [[8, 9, 5, 6]]
+    assert len(s.drafting.index) == 8  # the prompt and the token since
     short = _seq([5, 6, 7, 8, 9, 5, 6], generated=[7], max_new=3)  # 2 new tokens left
     sp.admit(short)
     assert sp.drafts([short]) == [[8]]  # the draft and the token after it fit
