@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from .common import BENCH_DOC, CACHE, RESULTS, loadavg, machine, versions
+from .turns import SETTLE
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "side and take turns cell by cell, in alternating order, so the "
                              "ones a cell compares are measured seconds apart (this machine's "
                              "speed drifts within minutes)")
+    parser.add_argument("--settle", type=float, default=None, metavar="SECONDS",
+                        help="pause before each turn, so that the previous runner's "
+                             "onnxruntime threads have stopped spinning (default "
+                             f"{SETTLE}; 0: none)")
     parser.add_argument("--render-only", action="store_true",
                         help="no measurement: print the tables of existing results (with "
                              "--update-committed: rebuild bench/results/tables.md and "
@@ -343,7 +348,9 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     log.info("%s: %s taking turns, %d rounds (load %.2f)", name, ", ".join(pl), rounds,
              load_before)
     t0 = time.perf_counter()
-    out["runners"] = run_turns(pl, paths, rounds, cache / "tmp")
+    settle = SETTLE if args.settle is None else max(0.0, args.settle)
+    out["meta"]["settle_seconds"] = settle
+    out["runners"] = run_turns(pl, paths, rounds, cache / "tmp", settle)
     out["meta"]["others_cores_before"] = busy
     out["meta"]["measure_seconds"] = round(time.perf_counter() - t0, 1)
     if not (args.speed_only or args.llamacpp_only) and name != "trained":

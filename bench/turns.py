@@ -11,6 +11,13 @@ runner's) took that drift into their ratios: two back-to-back runs once gave the
 and 0.65× onnxruntime-genai on the same cell. Turns put the runners a cell compares seconds
 apart, and the runner order alternates between cells and rounds, so neither side always
 measures first.
+
+Before each turn the orchestrator waits ``SETTLE`` seconds: the runner that just finished
+leaves onnxruntime's worker threads spinning for a while (they spin between runs by default),
+and on 2 cores they slow the next runner's start. A short turn pays it whole: on the 6M size
+the engine's first chat turn (a 256-token prefill) took 45-54 ms right after another runner's
+turn and 19-24 ms after a 0.3 s pause (three runs each, 2026-12-02; onnxruntime-genai's 23-26
+vs 19-23 ms, the shared-prefix cell's uncached requests unchanged within noise).
 """
 from __future__ import annotations
 
@@ -178,7 +185,11 @@ def runner_spec(name: str, spec: dict, paths: dict) -> dict:
     return full
 
 
-def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) -> dict:
+SETTLE = 0.3  # seconds before each turn (see the module's docstring)
+
+
+def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path,
+              settle: float = SETTLE) -> dict:
     """Every runner of ``plan`` alive at once, taking turns cell by cell for ``rounds`` rounds
     (a runner whose plan says ``repeats: 1`` takes part in the first round only). Returns
     runner -> results in the shape ``bench/report.py`` reads."""
@@ -209,6 +220,7 @@ def run_turns(plan: dict[str, dict], paths: dict, rounds: int, workdir: Path) ->
             if (i + k) % 2:
                 who = who[::-1]
             for r in who:
+                time.sleep(settle)  # the previous turn's threads stop spinning
                 got = procs[r].call(cell.op, **cell.args)
                 if got is not None:
                     got["round"] = k

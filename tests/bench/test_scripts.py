@@ -226,7 +226,7 @@ def test_runners_take_turns(tiny_artifact, tiny_ckpt, tmp_path):
     paths = dict(artifact=str(tiny_artifact), ckpt=str(tiny_ckpt), hf=str(tmp_path / "no-hf"),
                  genai=None, int8_artifact=None, vocab=vocab, threads=1,
                  workdir=str(tmp_path))
-    out = run_turns(plan, paths, rounds=2, workdir=tmp_path)
+    out = run_turns(plan, paths, rounds=2, workdir=tmp_path, settle=0.0)  # (no timing here)
     assert "unknown runner 'nonesuch'" in out["nonesuch"]["error"]
     assert out["hf"].get("error")  # no HF directory: it fails to load, the rest go on
     for r in ("engine", "loop", "grpc"):
