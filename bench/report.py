@@ -66,6 +66,13 @@ def _turns(results: dict[str, dict]) -> str:
             f"cell by cell in alternating order (`bench/turns.py`); the tables give each "
             f"runner's best of {rounds} turns, and a target's ratio is the median over rounds "
             f"of the two runners' turns in the same round (measured seconds apart)")
+    settled = sorted({m["settle_seconds"] for s in results.values()
+                      for m in (s.get("meta") or {}, s.get("speed_meta") or {})
+                      if "settle_seconds" in m})
+    if settled:  # (runs before 2026-12-02 04:46 UTC did not pause)
+        text += (f"; each turn started after a {'/'.join(f'{x:g}' for x in settled)} s pause "
+                 f"(`--settle`: the runner before it leaves onnxruntime's threads spinning), in "
+                 f"the runs that record one")
     if spread:
         text += (f" (a runner's turns at one decode cell differed by a median "
                  f"{spread[len(spread) // 2]:.0%}, at most {spread[-1]:.0%}: this machine's "
