@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "side and take turns cell by cell, in alternating order, so the "
                              "ones a cell compares are measured seconds apart (this machine's "
                              "speed drifts within minutes)")
-    parser.add_argument("--settle", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--settle", type=float, default=SETTLE, metavar="SECONDS",
                         help="pause before each turn, so that the previous runner's "
                              "onnxruntime threads have stopped spinning (default "
                              f"{SETTLE}; 0: none)")
@@ -348,8 +348,7 @@ def run_size(name: str, args, results_dir: Path) -> dict:
     log.info("%s: %s taking turns, %d rounds (load %.2f)", name, ", ".join(pl), rounds,
              load_before)
     t0 = time.perf_counter()
-    settle = SETTLE if args.settle is None else max(0.0, args.settle)
-    out["meta"]["settle_seconds"] = settle
+    out["meta"]["settle_seconds"] = settle = max(0.0, args.settle)
     out["runners"] = run_turns(pl, paths, rounds, cache / "tmp", settle)
     out["meta"]["others_cores_before"] = busy
     out["meta"]["measure_seconds"] = round(time.perf_counter() - t0, 1)

@@ -115,10 +115,9 @@ def _spec(key: str, size: dict) -> list[dict]:
             if peer != "engine" and base is not None:
                 notes.append(f"without speculation the engine ran at {base:.2f}× {label} "
                              f"here: the gain multiplies that")
-            if speed_date(size, peer) is not None:
-                notes.append(f"{label}'s figure is from an earlier run "
-                             f"({speed_date(size, peer)}): the ratio is of best figures, not "
-                             f"of paired rounds")
+            if (when := speed_date(size, peer)) is not None:
+                notes.append(f"{label}'s figure is from an earlier run ({when}): the ratio is "
+                             f"of best figures, not of paired rounds")
             if "step" in (size.get("label") or "") and "finished" not in size["label"]:
                 notes.append("the model is a checkpoint of an unfinished default run (its label "
                              "says which step): its drafts' acceptance is its own")
