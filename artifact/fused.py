@@ -122,11 +122,13 @@ class KVOps:
 class DeviceKV:
     """Per-layer key/value homes for up to ``max_batch`` sequences, on the provider's device.
 
-    Active sequences occupy the first slots; ``used[b]`` rows of slot b are filled. The
-    capacity grows in chunks and shrinks when long sequences leave; either copies only the
-    slots up to the last one in use (nothing when the cache is empty, as when an idle engine
-    admits a request). ``generation`` changes (process-unique) whenever the buffers are
-    reallocated, so a cached IO binding is never used with freed buffers.
+    Active sequences occupy the first slots; ``used[b]`` rows of slot b are filled. A free
+    slot may keep the rows of the sequence that left it (``retained[b]`` rows: ``retain``),
+    which a next sequence with the same prefix takes over (``reuse``). The capacity grows in
+    chunks and shrinks when long sequences leave; either copies only the slots up to the last
+    one in use or retained (nothing when the cache is empty, as when an idle engine admits a
+    request). ``generation`` changes (process-unique) whenever the buffers are reallocated,
+    so a cached IO binding is never used with freed buffers.
     """
 
     def __init__(self, cfg: ModelConfig, ops: KVOps, max_batch: int,
@@ -136,6 +138,7 @@ class DeviceKV:
         self.k: list[ort.OrtValue] = []  # per layer (max_batch, Hkv, C, D)
         self.v: list[ort.OrtValue] = []
         self.used = np.zeros(max_batch, dtype=np.int64)
+        self.retained = np.zeros(max_batch, dtype=np.int64)  # rows free slots keep (``retain``)
         self.generation = 0
         self._reallocate(chunks(capacity))
 
@@ -161,10 +164,12 @@ class DeviceKV:
             self._reallocate(2 * target)
 
     def _reallocate(self, capacity: int) -> None:
-        if self.k:  # only the slots up to the last one in use are copied
-            live = int(np.flatnonzero(self.used).max()) + 1 if self.used.any() else 0
+        if self.k:  # only the slots up to the last one in use (or retained) are copied
+            filled = np.flatnonzero(self.used | self.retained)
+            live = int(filled.max()) + 1 if filled.size else 0
             self.k = [self.ops.resize(a, capacity, live) for a in self.k]
             self.v = [self.ops.resize(a, capacity, live) for a in self.v]
+            np.minimum(self.retained, capacity, out=self.retained)
         else:
             shape = (self.max_batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
             self.k = [self.ops.allocate(shape) for _ in range(self.cfg.n_layers)]
@@ -175,6 +180,21 @@ class DeviceKV:
     def clear(self, slot: int) -> None:
         """Empty ``slot`` (its rows are refilled from row 0)."""
         self.used[slot] = 0
+        self.retained[slot] = 0
+
+    def retain(self, slot: int, rows: int) -> None:
+        """``slot`` is being freed: its first ``rows`` rows stay (copied along when the buffers
+        are reallocated) until a sequence takes the slot (``reuse``) or a move overwrites it."""
+        self.retained[slot] = min(rows, int(self.used[slot]))
+
+    def reuse(self, slot: int, rows: int) -> None:
+        """The free ``slot``'s sequence takes over its first ``rows`` retained rows as its own
+        (0: none, the slot is empty); whatever else it kept is dropped."""
+        if not 0 <= rows <= self.retained[slot]:
+            raise ValueError(f"reuse {rows} rows of slot {slot}: it retains "
+                             f"{self.retained[slot]}")
+        self.used[slot] = rows
+        self.retained[slot] = 0
 
     def truncate(self, slot: int, rows: int) -> None:
         """Keep the first ``rows`` rows of ``slot`` (rejected draft rows of a verification).
@@ -191,6 +211,7 @@ class DeviceKV:
         for buf in (*self.k, *self.v):
             self.ops.copy_slot(buf, src, dst)
         self.used[dst] = self.used[src]
+        self.retained[src] = self.retained[dst] = 0
 
     def slot_rows(self, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """The filled rows of one slot, copied to the host (Hkv, used, D) each (tests, tools)."""

@@ -39,6 +39,7 @@ class KVBuffers:
         self.v: list[np.ndarray] = []
         self.mask = np.zeros((max_batch, 1), dtype=np.int64)  # (max_batch, C + 1)
         self.used = np.zeros(max_batch, dtype=np.int64)  # buffer rows filled per slot
+        self.retained = np.zeros(max_batch, dtype=np.int64)  # rows free slots keep (``retain``)
         self.generation = 0  # changes (process-unique) whenever the buffers are reallocated
         self.ensure_capacity(capacity)
 
@@ -79,6 +80,7 @@ class KVBuffers:
         mask[:, :keep] = self.mask[:, :keep]
         mask[:, new_cap] = 1  # the column of the token being decoded
         self.mask, self.capacity = mask, new_cap
+        np.minimum(self.retained, keep, out=self.retained)
         self.generation = next(GENERATIONS)
 
     def load_prompt(self, slot: int, present: list[np.ndarray], row: int, length: int) -> None:
@@ -108,6 +110,21 @@ class KVBuffers:
         """Empty ``slot`` (its rows are refilled from row 0: a LongRoPE row crossing)."""
         self.mask[slot, :self.capacity] = 0
         self.used[slot] = 0
+        self.retained[slot] = 0
+
+    def retain(self, slot: int, rows: int) -> None:
+        """``slot`` is being freed: its first ``rows`` rows stay (as ``DeviceKV.retain``)."""
+        self.retained[slot] = min(rows, int(self.used[slot]))
+
+    def reuse(self, slot: int, rows: int) -> None:
+        """The free ``slot``'s sequence takes over its first ``rows`` retained rows (0: none)."""
+        if not 0 <= rows <= self.retained[slot]:
+            raise ValueError(f"reuse {rows} rows of slot {slot}: it retains "
+                             f"{self.retained[slot]}")
+        self.mask[slot, :self.capacity] = 0
+        self.mask[slot, :rows] = 1
+        self.used[slot] = rows
+        self.retained[slot] = 0
 
     def truncate(self, slot: int, rows: int) -> None:
         """Keep the first ``rows`` rows of ``slot`` (rejected draft rows): the mask drops the
@@ -127,6 +144,7 @@ class KVBuffers:
             self.v[i][dst, :, :L] = self.v[i][src, :, :L]
         self.mask[dst] = self.mask[src]
         self.used[dst] = L
+        self.retained[src] = self.retained[dst] = 0
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)

@@ -14,14 +14,20 @@ import numpy as np
 @runtime_checkable
 class KVCache(Protocol):
     """Per-slot K/V rows of up to ``max_batch`` sequences. Active sequences occupy slots
-    0..n-1; ``used[b]`` rows of slot b are filled (row index == position)."""
+    0..n-1; ``used[b]`` rows of slot b are filled (row index == position). A free slot keeps
+    ``retained[b]`` rows of the sequence that left it (``retain``) until a sequence takes it
+    (``reuse``: those rows, or none) or a ``move`` overwrites it (the engine uses this with
+    its prefix cache only: ``server.slot_rows``)."""
     capacity: int
     used: np.ndarray
+    retained: np.ndarray
 
     def ensure_capacity(self, needed: int) -> None: ...
     def reserve(self, rows: int) -> None: ...
     def shrink_to_fit(self, n: int, keep_rows: int = 0) -> None: ...
     def move(self, src: int, dst: int) -> None: ...
+    def retain(self, slot: int, rows: int) -> None: ...
+    def reuse(self, slot: int, rows: int) -> None: ...
 
 
 @runtime_checkable

@@ -4,9 +4,11 @@ step for the batch, or one verification step when sequences have speculative dra
 lookups: ``server.speculation``; the tokens a constraint forces: ``server.fast_forward``). Each
 call's logits rows go to the sampler, and the chosen tokens to the output processor.
 
-Prefix cache: an admitted sequence takes the longest cached prefix of its prompt (whole
-blocks: ``server.prefix_cache``), its rows copied into its slot on the device, and only the
-rest is prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
+Prefix cache: an admitted sequence takes the longest cached prefix of its prompt: whole
+blocks of the pool (``server.prefix_cache``), their rows copied into its slot on the device, or
+the rows its slot still has of the sequence that left it, where those are more
+(``server.slot_rows``: a chat's next turn finds its whole history there); only the rest is
+prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
 it leaves. Sequences admitted together whose prompts begin with the same block are prefilled
 one after the other, so a shared prefix is computed once. What is prefilled is the sequence's
 ``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
@@ -25,6 +27,7 @@ from .output import OutputProcessor
 from .sampler import masked, sample_row
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .slot_rows import SlotRows
 from .spec_verify import accepted_count, verify_row
 from .speculation import Speculator
 from .step_costs import StepCosts
@@ -41,6 +44,7 @@ class ModelRunner:
         self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
+        self.slot_rows = SlotRows() if prefix is not None else None  # (with the cache only)
         self.spec = speculator
         self.ff = fast_forward
         self.costs = costs if costs is not None else StepCosts()  # (the drafters' figures)
@@ -62,6 +66,7 @@ class ModelRunner:
         later: list[Sequence] = []
         if self.prefix is not None:
             plain, later = self._split_cached(plain)
+            later = self._prefill_own(later)
         for group in self.sched.prefill_groups(plain):
             self._prefill(group, attention=False)
         for seq in later:  # (their blocks may be cached by now)
@@ -86,12 +91,29 @@ class ModelRunner:
                 seen.add(first)
         return batched, later
 
+    def _prefill_own(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill first, one by one, the sequences whose rows the next free slot kept (a
+        conversation's next turn, back in the slot of its last one: without this the batched
+        groups would take that slot first); returns the others, in order."""
+        rest = list(seqs)
+        while rest:
+            slot, kv = len(self.sched.active), self.sched.kv
+            own = [self.slot_rows.match(kv, slot, s.prefill_ids) for s in rest]
+            best = max(range(len(rest)), key=own.__getitem__)
+            if not own[best]:
+                break
+            self._prefill_cached(rest.pop(best))
+        return rest
+
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
         chunk = self.sched.chunk_tokens if attention else self.sched.prefill_tokens()
         lens = [min(len(s.prefill_ids), chunk) for s in group]
         active, kv = self.sched.active, self.sched.kv
         lo = len(active)  # the group takes the next free slots, in order
+        if self.slot_rows is not None:
+            for slot in range(lo, lo + len(group)):
+                self.slot_rows.take(kv, slot)
         res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
         for b, (seq, n) in enumerate(zip(group, lens)):
@@ -116,14 +138,20 @@ class ModelRunner:
                 self._cache_prompt(lo + b, seq)
 
     def _prefill_cached(self, seq: Sequence) -> None:
-        """One sequence: its prompt's longest cached prefix restored, the rest prefilled."""
+        """One sequence: its prompt's longest cached prefix (the slot's own rows, or blocks
+        restored from the pool), the rest prefilled."""
         kv, active = self.sched.kv, self.sched.active
         slot = len(active)
         blocks, n = self.prefix.match(seq.prefill_ids)
         try:
-            if n:
-                kv.used[slot] = 0  # (an empty slot: the scheduler leaves them so)
-                self.prefix.restore(kv, slot, blocks)
+            own = self.slot_rows.match(kv, slot, seq.prefill_ids)
+            if own > n:
+                self.slot_rows.take(kv, slot, own)
+                n = own
+            else:
+                self.slot_rows.take(kv, slot)
+                if n:
+                    self.prefix.restore(kv, slot, blocks)
         finally:
             self.prefix.release(blocks)
         seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)
@@ -141,9 +169,15 @@ class ModelRunner:
             self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
 
     def cache_tokens(self, slot: int, seq: Sequence) -> None:
-        """A leaving sequence's rows (prompt and generated tokens) into the prefix cache."""
-        if self.prefix is not None and not seq.forced:
-            self.prefix.insert(self.sched.kv, slot, seq.tokens())
+        """A leaving sequence's rows (prompt and generated tokens) into the prefix cache; its
+        slot keeps them too (``server.slot_rows``)."""
+        if self.prefix is None:
+            return
+        kv = self.sched.kv
+        tokens = None if seq.forced else seq.tokens()  # (a prompt tail not fed: rows unknown)
+        if tokens is not None:
+            self.prefix.insert(kv, slot, tokens)
+        self.slot_rows.left(kv, slot, tokens)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``

@@ -30,6 +30,7 @@ class FakeCache:
     def __init__(self, max_batch: int, capacity: int = 128):
         self.max_batch, self.capacity = max_batch, capacity
         self.used = np.zeros(max_batch, np.int64)
+        self.retained = np.zeros(max_batch, np.int64)
         self.tokens = [[] for _ in range(max_batch)]
         self.generation = next(_GEN)
         self.moves = 0
@@ -48,13 +49,23 @@ class FakeCache:
         self.kept.append(keep_rows)
         self.used[n:] = 0
         for b in range(n, self.max_batch):
-            self.tokens[b] = []
+            self.tokens[b] = self.tokens[b][:self.retained[b]]
 
     def move(self, src: int, dst: int) -> None:
         if src != dst:
             self.tokens[dst] = list(self.tokens[src])
             self.used[dst] = self.used[src]
+            self.retained[src] = self.retained[dst] = 0
             self.moves += 1
+
+    def retain(self, slot: int, rows: int) -> None:
+        self.retained[slot] = min(rows, int(self.used[slot]))
+
+    def reuse(self, slot: int, rows: int) -> None:
+        assert 0 <= rows <= self.retained[slot]
+        self.tokens[slot] = self.tokens[slot][:rows]
+        self.used[slot] = rows
+        self.retained[slot] = 0
 
 
 class FakeLM:

@@ -4,6 +4,7 @@ compaction; chunked prefill; shrinking; and a new cache never inherits a stale b
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from export_matrix import LOGIT_TOL
 
@@ -264,3 +265,35 @@ def test_resizing_copies_only_the_slots_in_use(main_model, lm):
         assert kv.capacity == 2 * CAPACITY_CHUNK and set(copied) == {0}
     finally:
         lm.ops.resize = resize
+
+
+def test_a_free_slot_retains_its_rows_for_the_next_sequence(main_model, lm):
+    """A leaving sequence's slot keeps its rows (``retain``) across a growth and a shrink of
+    the buffers; the next sequence in that slot takes them over (``reuse``) and continues from
+    them with the logits of the whole prompt. A move into or out of the slot drops them."""
+    V = main_model.cfg.vocab_size
+    ids = np.random.default_rng(9).integers(0, V, 30).tolist()
+    kv = lm.new_cache(3)
+    lm.prefill(kv, 1, [ids])  # slot 1 (0 is empty: the copies cover the slots before it too)
+    kv.retain(1, 25)
+    kv.used[1] = 0  # free, as the scheduler leaves it
+    assert kv.retained[1] == 25
+    gen = kv.generation
+    kv.ensure_capacity(5 * CAPACITY_CHUNK)  # a growth: new buffers, the retained rows copied
+    kv.shrink_to_fit(0)  # and a shrink (fused: to twice a chunk; portable: one chunk)
+    assert kv.generation >= gen + 2 and kv.capacity < 5 * CAPACITY_CHUNK
+    assert kv.retained[1] == 25
+    with pytest.raises(ValueError, match="retains 25"):
+        kv.reuse(1, 26)
+    kv.reuse(1, 25)
+    assert kv.used[1] == 25 and kv.retained[1] == 0
+    tail = [5, 6, 7]
+    got = lm.extend(kv, 1, np.asarray(ids[25:] + tail, np.int64))
+    with torch.no_grad():
+        want = main_model(torch.tensor([ids + tail])).logits[0, 25:].numpy()
+    assert np.abs(got - want).max() <= LOGIT_TOL
+    kv.retain(1, 40)  # at most the rows it has
+    assert kv.retained[1] == 33
+    kv.move(2, 1)
+    assert kv.retained[1] == 0 and kv.retained[2] == 0
+

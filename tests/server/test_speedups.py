@@ -152,3 +152,88 @@ def test_shared_prefix_admitted_together_is_computed_once(lm):
         assert seen == [32, 32]
     finally:
         e.stop()
+
+
+def test_a_chat_turn_takes_over_the_rows_its_slot_kept(lm):
+    """A chat client sends the whole history each turn. The slot that served the last turn
+    still holds it, prompt and reply (``server.slot_rows``), so the next turn prefills only
+    its new tokens: more cached tokens than the prefix cache's whole blocks, across a growth of
+    the KV buffers (turn 2), with the plain path's tokens and logits (1e-4)."""
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    user = np.random.default_rng(3).integers(5, lm.cfg.vocab_size, (4, 40)).tolist()
+    history = list(PROMPTS[5])
+    try:
+        for turn in range(4):
+            def request():
+                return GenerateRequest(list(history), SamplingParams(),
+                                       StopParams(max_new_tokens=20, ignore_eos=True),
+                                       OutputParams(return_logits=True))
+            want = _run(plain, [request()])[0]
+            h = fast.submit(request())
+            events = list(h)
+            got = [e for e in events if isinstance(e, TokenEvent)]
+            assert [e.token_id for e in got] == [e.token_id for e in want]
+            worst = max(float(np.abs(a.logits - b.logits).max()) for a, b in zip(want, got))
+            assert worst <= LOGIT_TOL, f"turn {turn}: max |dlogit| {worst:.3g}"
+            cached = events[-1].cached_tokens
+            if turn:  # every row of the last turn: its prompt and its reply but the last token
+                assert cached == previous - 1 > previous // 16 * 16, (turn, cached)
+            history += [e.token_id for e in got]
+            previous = len(history)
+            history += user[turn]
+        assert fast.kv.capacity == 256  # (the buffers grew under the kept rows)
+    finally:
+        plain.stop()
+        fast.stop()
+
+
+def test_rows_a_slot_kept_are_taken_only_by_their_own_prefix(lm):
+    """Rounds of 4 conversations (4 slots) and single requests: each request continues an
+    earlier one (its prompt, all or part of its reply, new tokens) or starts afresh. In order
+    with equal lengths each finds its own slot's rows; shuffled, with other lengths, sequences
+    leave in another order than they came (compaction moves slots, dropping what they kept)
+    and land in slots that kept all, part or none of their prefix: every output equals the
+    plain path's (tokens; logits within 1e-4)."""
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    rng = np.random.default_rng(11)
+    taken: list[int] = []
+    take = fast.runner.slot_rows.take
+
+    def spy(kv, slot, rows=0):
+        taken.append(rows)
+        take(kv, slot, rows)
+    fast.runner.slot_rows.take = spy
+    convos = [(list(p), []) for p in PROMPTS[:4]]  # (prompt, reply) of each conversation
+    try:
+        for round_ in range(8):
+            kind = round_ % 4  # 0, 1: in order, equal lengths (no moves: each finds its slot)
+            order = list(range(4)) if kind < 2 else rng.permutation(4).tolist()
+            if kind == 3:
+                order = order[:1]  # a single request: it lands in slot 0
+            reqs = []
+            for i in order:
+                prompt, reply = convos[i]
+                if rng.random() < 0.8 and len(prompt) < 150:
+                    keep = len(reply) if kind < 2 else int(rng.integers(0, len(reply) + 1))
+                    prompt = prompt + reply[:keep]
+                else:
+                    prompt = rng.integers(5, 300, int(rng.integers(17, 40))).tolist()
+                prompt += rng.integers(5, 300, int(rng.integers(1, 9))).tolist()
+                reqs.append((i, prompt, 8 if kind < 2 else int(rng.integers(1, 16))))
+
+            def requests():
+                return [GenerateRequest(list(p), SamplingParams(),
+                                        StopParams(max_new_tokens=n, ignore_eos=True),
+                                        OutputParams(return_logits=True)) for _, p, n in reqs]
+            want = _run(plain, requests())
+            got = _run(fast, requests())
+            assert _tokens(got) == _tokens(want), round_
+            worst = max(float(np.abs(a.logits - b.logits).max())
+                        for ra, rb in zip(want, got) for a, b in zip(ra, rb))
+            assert worst <= LOGIT_TOL, f"round {round_}: max |dlogit| {worst:.3g}"
+            for (i, prompt, _), toks in zip(reqs, _tokens(got)):
+                convos[i] = (prompt, toks)
+        assert any(taken) and taken.count(0) > 0  # rows were taken over, and refused
+    finally:
+        plain.stop()
+        fast.stop()
