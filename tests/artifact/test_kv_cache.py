@@ -297,3 +297,28 @@ def test_a_free_slot_retains_its_rows_for_the_next_sequence(main_model, lm):
     kv.move(2, 1)
     assert kv.retained[1] == 0 and kv.retained[2] == 0
 
+
+def test_last_row_prefills_keep_their_binding(main_model, lm):
+    """Fused: a last-row prefill's binding is kept per slot range and buffer generation; a
+    prompt of another length binds new ids only. Prompts of 12, 30, 5 and 12 tokens into slot
+    1 (after rows of its own for the third), each last row equal to torch's."""
+    if lm.kind != "fused" or not lm.last_rows:
+        return
+    V = main_model.cfg.vocab_size
+    g = np.random.default_rng(10)
+    kv = lm.new_cache(2)
+    bound = None
+    for n, keep in ((12, 0), (30, 0), (5, 30), (12, 0)):
+        kv.clear(1)
+        before = g.integers(0, V, keep).tolist()
+        ids = g.integers(0, V, n).tolist()
+        if keep:  # rows of the slot's own, then the prompt after them
+            lm.prefill(kv, 1, [before], last=True)
+        got = lm.prefill(kv, 1, [ids], last=True).logits[0][-1]
+        with torch.no_grad():
+            want = main_model(torch.tensor([before + ids])).logits[0, -1].numpy()
+        assert np.abs(got - want).max() <= LOGIT_TOL, n
+        kept = lm._prefill_bound[(1, 1, kv.generation)]
+        assert bound is None or kept is bound
+        bound = kept
+    assert len(lm._prefill_bound) == 1
