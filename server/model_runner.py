@@ -76,14 +76,17 @@ class ModelRunner:
 
     def _split_cached(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(batched, one by one): a sequence goes one by one when part of its prompt is cached
-        or when an earlier one of this admission begins with the same block."""
+        (in the pool, or in the rows a free slot kept) or when an earlier one of this admission
+        begins with the same block."""
         bt = self.prefix.block_tokens
+        kv, free = self.sched.kv, range(len(self.sched.active), self.sched.max_batch)
         seen: set[tuple] = set()
         batched, later = [], []
         for seq in seqs:
             ids = seq.prefill_ids
             first = tuple(ids[:bt]) if len(ids) > bt else None
-            if first is not None and (first in seen or self.prefix.has_prefix(ids)):
+            if first is not None and (first in seen or self.prefix.has_prefix(ids) or any(
+                    self.slot_rows.match(kv, slot, ids) >= bt for slot in free)):
                 later.append(seq)
             else:
                 batched.append(seq)

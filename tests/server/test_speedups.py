@@ -237,3 +237,25 @@ def test_rows_a_slot_kept_are_taken_only_by_their_own_prefix(lm):
     finally:
         plain.stop()
         fast.stop()
+
+
+def test_a_turn_whose_blocks_left_the_pool_still_finds_its_slot_rows(lm):
+    """The pool evicted every block of a conversation (its index emptied here, as eviction
+    under pressure does), but the slot that served the last turn kept its rows: the next turn
+    takes them over, with the plain path's tokens."""
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    try:
+        first = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
+                                StopParams(max_new_tokens=10, ignore_eos=True), OutputParams())
+        reply = _tokens(_run(fast, [first]))[0]
+        fast.prefix.__init__(fast.prefix.pool)  # every block evicted
+        prompt = list(PROMPTS[5]) + reply + [7, 8, 9]
+        req = GenerateRequest(prompt, SamplingParams(),
+                              StopParams(max_new_tokens=10, ignore_eos=True), OutputParams())
+        events = list(fast.submit(req))
+        assert events[-1].cached_tokens == len(PROMPTS[5]) + len(reply) - 1
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == \
+            _tokens(_run(plain, [req]))[0]
+    finally:
+        plain.stop()
+        fast.stop()
