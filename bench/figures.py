@@ -109,7 +109,7 @@ def speed(size: dict, runner: str, group: str, name: str, field: str):
 
 
 def speed_date(size: dict, runner: str) -> str | None:
-    """The earlier run a runner's speed cells come from (``main.merge_speed``); None: the
+    """The earlier run a runner's speed cells come from (``merge.merge_speed``); None: the
     size's latest speed run (``speed_meta``)."""
     return get(size, "runners", runner, "speed_date")
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvserve.bench import speed_cells as S
-from kvserve.bench.main import merge_speed, plan, speed_plan
+from kvserve.bench.main import plan, speed_plan
+from kvserve.bench.merge import merge_speed
 from kvserve.bench.turns import cells_of, runner_spec
 
 
@@ -149,7 +150,7 @@ def test_speed_only_results_merge_into_the_size():
 
 
 def test_runner_subset_results_merge_into_the_size():
-    from kvserve.bench.main import merge_runners
+    from kvserve.bench.merge import merge_runners
 
     old = {"meta": {"date": "morning"},
            "runners": {"grpc": {"decode": {"1x128": 1}, "error": "old"},
@@ -379,7 +380,7 @@ def test_decode_cells_of_two_runs_are_not_paired():
     """After a --runners merge, a runner measured in the new run and one left from the earlier
     run have turns from different rounds: their ratio is best over best."""
     from kvserve.bench.figures import paired
-    from kvserve.bench.main import merge_runners
+    from kvserve.bench.merge import merge_runners
 
     def dec(turns):
         return {"decode": {"1x128": {"tok_s": max(turns), "turns_tok_s": turns}}}
