@@ -130,7 +130,7 @@ class FinishEvent:
     stop_sequence: str = ""
     stop_token_id: int | None = None
     error: str = ""
-    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache (pool or slot)
 
 
 @dataclass

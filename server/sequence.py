@@ -65,7 +65,7 @@ class Sequence:
     quiet: QuietRule | None = None  # when a step may only record the token (stopping.py)
     held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
     drafting: Any = None  # speculation.Drafting where it may draft
-    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache (pool or slot)
     # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
     # index of the first token this call generates (server.resume)
     prefill_ids: list[int] = field(default_factory=list)
