@@ -35,7 +35,7 @@ def prefix_chat_tables(size: dict) -> list[str]:
                   f"request's own, batch 1): time to first token of a first request (nothing "
                   f"cached) and of a second one sharing the prefix, ms (best turn); a new "
                   f"shared prefix each repetition:", "",
-                  "| runner | first request | second request | prompt tokens restored |",
+                  "| runner | first request | second request | prompt tokens cached |",
                   "|---|---|---|---|"]
         for r in pre:
             e = get(size, "runners", r, "prefix", name)
@@ -50,7 +50,7 @@ def prefix_chat_tables(size: dict) -> list[str]:
                   f"ms summed over the turns (best conversation); a new "
                   f"conversation each repetition:", "",
                   "| runner | sum of TTFT | sum of total time | TTFT of the last turn | "
-                  "prompt tokens restored |", "|---|---|---|---|---|"]
+                  "prompt tokens cached |", "|---|---|---|---|---|"]
         for r in chat:
             e = get(size, "runners", r, "chat", name)
             cached = [c for c in e.get("cached_tokens") or [] if c is not None]

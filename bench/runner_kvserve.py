@@ -71,7 +71,7 @@ class RecordingMetrics:
     def __init__(self):
         self.gaps: list[float] = []
         self.steps: list[tuple[int, float]] = []
-        # prompt tokens restored from the prefix cache; draft tokens verified and accepted
+        # prompt tokens cached (the pool or the slot's kept rows); draft tokens verified, accepted
         self.cached_tokens = self.drafted = self.accepted = self.forced = 0
         self.last_first = 0.0
 

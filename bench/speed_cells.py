@@ -5,7 +5,7 @@ best turn (and its turns by round, which the targets pair).
 
   prefix  two requests sharing ``shared`` tokens, each with ``tail`` tokens of its own: the
           first request's time to first token (nothing cached) and the second's (with a prefix
-          cache: the shared tokens restored). A fresh shared prefix every repetition.
+          cache: the shared tokens cached). A fresh shared prefix every repetition.
   chat    a chat replay: ``turns`` requests, each sending the whole history so far (the
           previous prompt, the runner's own greedy reply, a new user turn): per turn the time
           to first token and to the last token. A fresh conversation every repetition.

@@ -73,7 +73,7 @@ def _prefix(key: str, size: dict) -> list[dict]:
             paired_speed(size, "engine_on", "engine", "prefix", name, "second_ms"), 0.1,
             [PREFIX_REST], f"{fmt(on, 1)} vs {fmt(off, 1)} ms; "
             f"{speed(size, 'engine_on', 'prefix', name, 'cached_tokens')} prompt tokens "
-            f"restored; onnxruntime-genai {fmt(genai, 1)} ms", kind="<="))
+            f"cached; onnxruntime-genai {fmt(genai, 1)} ms", kind="<="))
     return out
 
 
