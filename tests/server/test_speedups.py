@@ -5,6 +5,8 @@ prefix yields are the plain path's within 1e-4, and both features actually engag
 hits, accepted drafts)."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -248,6 +250,9 @@ def test_a_turn_whose_blocks_left_the_pool_still_finds_its_slot_rows(lm):
         first = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
                                 StopParams(max_new_tokens=10, ignore_eos=True), OutputParams())
         reply = _tokens(_run(fast, [first]))[0]
+        deadline = time.monotonic() + 30  # (its Finish comes before it leaves its slot)
+        while fast.load()["running"] and time.monotonic() < deadline:
+            time.sleep(0.001)
         fast.prefix.__init__(fast.prefix.pool)  # every block evicted
         prompt = list(PROMPTS[5]) + reply + [7, 8, 9]
         req = GenerateRequest(prompt, SamplingParams(),
