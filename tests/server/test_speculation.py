@@ -7,8 +7,9 @@ import pytest
 from kvserve.model.sampling import SamplingParams
 from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 from kvserve.server.sequence import Handle, Sequence
-from kvserve.server.speculation import (_MAX_SKIP, _PAUSE, _PAUSE_MAX, _REFRESH, _WINDOW, Backoff,
-                                        Speculator)
+from kvserve.server.ngram import NgramIndex
+from kvserve.server.speculation import (_INDEX_CHUNK, _MAX_SKIP, _PAUSE, _PAUSE_MAX, _REFRESH,
+                                        _WINDOW, Backoff, Speculator)
 from kvserve.server.step_costs import StepCosts
 
 
@@ -81,6 +82,28 @@ def test_one_slow_step_does_not_pause_speculation():
         assert b.allow(1)
         b.verify_step(1, 0.050 if i == 3 else 0.012, 3)
     assert b.paused == 0 and b.gain > 1
+
+
+def test_a_long_prompt_is_indexed_over_several_steps():
+    """A prompt of 3.5 chunks is indexed a chunk per step (no step of the batch waits for all
+    of it): no draft until the index is whole, then the drafts of an index built at once."""
+    import random
+    rnd = random.Random(4)
+    prompt = [rnd.randrange(1000) for _ in range(_INDEX_CHUNK * 7 // 2)]
+    prompt[-6:] = prompt[100:106]  # its end repeats an earlier stretch: a draft from there
+    sp = Speculator(k_max=4, max_seq_len=8 * _INDEX_CHUNK)
+    _plain(sp.backoff, 1, 0.01)
+    s = _seq(prompt, generated=[prompt[106]], max_new=64)
+    sp.admit(s)
+    sizes = []
+    for _ in range(3):
+        assert sp._propose(s) == []
+        sizes.append(len(s.drafting.index))
+        assert s.drafting.skip == 0  # (still indexing: not a lookup that found nothing)
+    assert sizes == [_INDEX_CHUNK, 2 * _INDEX_CHUNK, 3 * _INDEX_CHUNK]
+    whole = NgramIndex(prompt + s.generated)
+    assert sp._propose(s) == whole.propose(4) == prompt[107:111]
+    assert len(s.drafting.index) == len(prompt) + 1
 
 
 def test_drafts_from_the_sequence_itself_within_its_room():
