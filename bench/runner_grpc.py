@@ -63,8 +63,9 @@ class GrpcRunner(Runner):
         self.client = Client(f"127.0.0.1:{self.server.port}", timeout=600)
 
     def _one(self, prompt, n) -> list[int]:
-        return [ev.id for ev in self.client.generate_stream([int(t) for t in prompt],
-                                                            max_new_tokens=n, ignore_eos=True)
+        ids = np.asarray(prompt, np.int64).tolist()  # (as the engine runner's requests)
+        return [ev.id for ev in self.client.generate_stream(ids, max_new_tokens=n,
+                                                            ignore_eos=True)
                 if ev.type == "token"]
 
     def generate(self, prompts, n):

@@ -137,7 +137,11 @@ class EngineRunner(Runner):
         from kvserve.model.sampling import SamplingParams
         from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 
-        return GenerateRequest(prompt_ids=[int(t) for t in prompt], sampling=SamplingParams(),
+        # (.tolist(): a 700-token numpy row as Python ints in ~20 us, where a comprehension
+        # took ~150 us, ~0.4 ms right after an idle pause: inside the timed turn, ~7% of a
+        # cached chat turn's time to first token on 6M; genai's runner takes the array as is)
+        return GenerateRequest(prompt_ids=np.asarray(prompt, np.int64).tolist(),
+                               sampling=SamplingParams(),
                                stopping=StopParams(max_new_tokens=n, ignore_eos=True),
                                output=OutputParams())
 
