@@ -21,23 +21,25 @@ Not thread-safe: the engine's thread owns it.
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+_SLICE = 64  # tokens compared at a time
 
 
-def common_prefix(a: Seq[int], b: Seq[int], limit: int) -> int:
-    """How many leading tokens ``a`` and ``b`` share, at most ``limit`` (list slices compared in
-    C: one comparison when all of them agree, a binary search otherwise)."""
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens the lists ``a`` and ``b`` share, at most ``limit``, in C-level
+    list comparisons: a first token that differs (an unrelated prompt) costs one, a whole
+    match (a chat's next turn) one slice each; else slices of 64, then the one that differs
+    token by token (~50 us for 1,000 tokens in the worst case)."""
     m = max(0, min(len(a), len(b), limit))
-    if list(a[:m]) == list(b[:m]):
+    if not m or a[0] != b[0]:
+        return 0
+    if a[:m] == b[:m]:
         return m
-    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if list(a[:mid]) == list(b[:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    i = 0
+    while a[i:i + _SLICE] == b[i:i + _SLICE]:  # (within m: the whole of it differs)
+        i += _SLICE
+    while a[i] == b[i]:  # (the slice from i differs: so does one of its tokens)
+        i += 1
+    return i
 
 
 class SlotRows:
@@ -57,14 +59,14 @@ class SlotRows:
         else:
             self._tokens.pop(slot, None)
 
-    def match(self, kv, slot: int, ids: Seq[int]) -> int:
+    def match(self, kv, slot: int, ids: list[int]) -> int:
         """Rows of the free ``slot`` that are the rows of ``ids``' first tokens, leaving at
         least one id to prefill (its logits choose the first token)."""
         kept = int(kv.retained[slot])
         tokens = self._tokens.get(slot)
         if not kept or not tokens:
             return 0
-        return common_prefix(tokens[:kept], ids, len(ids) - 1)
+        return common_prefix(tokens, ids, min(kept, len(ids) - 1))
 
     def take(self, kv, slot: int, rows: int = 0) -> None:
         """A sequence is admitted into ``slot``: its first ``rows`` retained rows become its own
