@@ -227,3 +227,22 @@ def test_auth_and_unknown_model(base_url):
         with pytest.raises(openai.NotFoundError) as e:
             c.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert e.value.status_code == 404 and "gpt-4o" in e.value.body["message"]
+
+
+def test_usage_reports_the_cached_prompt_tokens(oai, chat_stub, chat_artifact):
+    """The same chat sent again: its prompt's rows are cached, so usage reports them, over HTTP
+    (``prompt_tokens_details.cached_tokens``) and over gRPC (``cached_prompt_tokens``): every
+    prompt token but the last where the slot the first one left kept its rows (an idle
+    server: always), its whole 16-token blocks at least (the pool)."""
+    ids = rendered_ids(chat_artifact.tokenizer, MESSAGES)
+    assert len(ids) > 16
+    blocks = (len(ids) - 1) // 16 * 16
+    first = oai.chat.completions.create(model="artifact", messages=MESSAGES, max_tokens=3,
+                                        temperature=0)
+    again = oai.chat.completions.create(model="artifact", messages=MESSAGES, max_tokens=3,
+                                        temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens == len(ids)
+    assert again.usage.prompt_tokens_details.cached_tokens in (len(ids) - 1, blocks)
+    _, done = collect(chat_stub.Generate(gen_request(ids, 3), metadata=AUTH))
+    assert done.cached_prompt_tokens in (len(ids) - 1, blocks)
+    assert again.choices[0].message.content == first.choices[0].message.content
