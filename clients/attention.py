@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_TICK_LABELS = 48
+# fonts with CJK glyphs, used after DejaVu Sans for the glyphs it lacks, where installed (the
+# reference articles, and many prompts, are Chinese); none installed: empty boxes and
+# matplotlib's "Glyph ... missing" warnings, as before
+CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Source Han Sans SC",
+             "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "Droid Sans Fallback",
+             "Microsoft YaHei", "SimHei", "PingFang SC", "Hiragino Sans GB", "Arial Unicode MS")
 
 
 def attention_matrices(tokens: Sequence[TokenEvent], prompt_len: int
@@ -49,6 +55,15 @@ def require_matplotlib() -> None:
         raise ImportError("--attention needs matplotlib: pip install 'kvserve[viz]'")
 
 
+def font_family() -> list[str]:
+    """DejaVu Sans (matplotlib's own), then the installed fonts of ``CJK_FONTS``: matplotlib
+    takes each glyph from the first font of the family that has it."""
+    from matplotlib import font_manager
+
+    installed = {f.name for f in font_manager.fontManager.ttflist}
+    return ["DejaVu Sans", *[f for f in CJK_FONTS if f in installed]]
+
+
 def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Sequence[str],
                      prompt_len: int) -> Path:
     """Draw the heatmaps to ``path`` (PNG). ``labels``: the text of every token, prompt then
@@ -58,6 +73,12 @@ def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Seq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    with plt.rc_context({"font.family": font_family()}):
+        return _render(plt, path, tokens, labels, prompt_len)
+
+
+def _render(plt, path: str | Path, tokens: Sequence[TokenEvent], labels: Sequence[str],
+            prompt_len: int) -> Path:
     mats = attention_matrices(tokens, prompt_len)
     if not mats:
         raise ValueError("the server returned no attention rows")
