@@ -259,15 +259,15 @@ class _Bound:
             self.rows[:] = np.arange(R)  # all positions; a last-row call sets its own
             arrays[spec.logits_rows] = self.rows
         self._refresh: list[tuple[ort.OrtValue, np.ndarray]] = []
-        self._values = []  # keeps every bound OrtValue alive with the binding
-        self._ids_where = "cpu" if INPUT_IDS in lm.host_inputs else lm.device
+        self._values: dict[str, ort.OrtValue] = {}  # keeps the bound inputs alive with it
         for name in arrays:
             where = "cpu" if name in lm.host_inputs else lm.device
             value = ort.OrtValue.ortvalue_from_numpy(arrays[name], where, 0)
             if where != "cpu" and (name != spec.logits_rows or last):  # (all rows: fixed)
                 self._refresh.append((value, arrays[name]))
-            self._values.append(value)
+            self._values[name] = value
             b.bind_ortvalue_input(name, value)
+        self._ids_where = "cpu" if INPUT_IDS in lm.host_inputs else lm.device
         kv_dt, shape = kv.ops.dtype, kv.slice_shape(n)
         for i in range(cfg.n_layers):
             for k, bufs in (("key", kv.k), ("value", kv.v)):
@@ -292,8 +292,8 @@ class _Bound:
         self._refresh = [(v, a) for v, a in self._refresh if a is not old]
         if self._ids_where != "cpu":
             self._refresh.append((value, self.ids))
-        self._values.append(value)  # (the old ids' value stays alive: a few bytes)
         self.binding.bind_ortvalue_input(INPUT_IDS, value)
+        self._values[INPUT_IDS] = value  # (the old ids are bound no more: let them go)
 
     def sync(self) -> None:
         """After the host arrays were written: device copies, fresh attention outputs."""

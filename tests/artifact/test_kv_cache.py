@@ -301,13 +301,14 @@ def test_a_free_slot_retains_its_rows_for_the_next_sequence(main_model, lm):
 def test_last_row_prefills_keep_their_binding(main_model, lm):
     """Fused: a last-row prefill's binding is kept per slot range and buffer generation; a
     prompt of another length binds new ids only. Prompts of 12, 30, 5 and 12 tokens into slot
-    1 (after rows of its own for the third), each last row equal to torch's."""
+    1 (after rows of its own for the third), each last row equal to torch's; the binding
+    holds no ids of earlier lengths."""
     if lm.kind != "fused" or not lm.last_rows:
         return
     V = main_model.cfg.vocab_size
     g = np.random.default_rng(10)
     kv = lm.new_cache(2)
-    bound = None
+    bound = held = None
     for n, keep in ((12, 0), (30, 0), (5, 30), (12, 0)):
         kv.clear(1)
         before = g.integers(0, V, keep).tolist()
@@ -321,4 +322,7 @@ def test_last_row_prefills_keep_their_binding(main_model, lm):
         kept = lm._prefill_bound[(1, 1, kv.generation)]
         assert bound is None or kept is bound
         bound = kept
+        if held is None:
+            held = len(bound._values)
+        assert len(bound._values) == held  # the latest ids only, whatever the lengths so far
     assert len(lm._prefill_bound) == 1
