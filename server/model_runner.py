@@ -105,7 +105,7 @@ class ModelRunner:
             best = max(range(len(rest)), key=own.__getitem__)
             if not own[best]:
                 break
-            self._prefill_cached(rest.pop(best))
+            self._prefill_cached(rest.pop(best), own[best])
         return rest
 
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
@@ -140,14 +140,16 @@ class ModelRunner:
             if not attention:
                 self._cache_prompt(lo + b, seq)
 
-    def _prefill_cached(self, seq: Sequence) -> None:
+    def _prefill_cached(self, seq: Sequence, own: int | None = None) -> None:
         """One sequence: its prompt's longest cached prefix (the slot's own rows, or blocks
-        restored from the pool), the rest prefilled."""
+        restored from the pool), the rest prefilled. ``own``: the slot's rows it matches, when
+        already known (``_prefill_own``)."""
         kv, active = self.sched.kv, self.sched.active
         slot = len(active)
         blocks, n = self.prefix.match(seq.prefill_ids)
         try:
-            own = self.slot_rows.match(kv, slot, seq.prefill_ids)
+            if own is None:
+                own = self.slot_rows.match(kv, slot, seq.prefill_ids)
             if own > n:
                 self.slot_rows.take(kv, slot, own)
                 n = own

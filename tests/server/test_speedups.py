@@ -146,8 +146,8 @@ def test_shared_prefix_admitted_together_is_computed_once(lm):
         seen = []
         orig = e.runner._prefill_cached
 
-        def spy(seq):
-            orig(seq)
+        def spy(seq, *own):
+            orig(seq, *own)
             seen.append(seq.cached_tokens)
         e.runner._prefill_cached = spy
         _run(e, reqs)
