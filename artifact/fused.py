@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from kvserve.model.config import ModelConfig
 
 from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
-from .providers import device_of
+from .providers import bound_run, device_of
 from .spec import INPUT_IDS, QUERY_SEQLENS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, fused_spec_from
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class KVOps:
         b.bind_cpu_input("keep", np.array([keep], np.int64))
         b.bind_cpu_input("pads", np.array([0, 0, 0, 0, 0, 0, capacity - keep, 0], np.int64))
         b.bind_output("y", self.device, 0, self.dtype, [slots, *shape[1:]], out.data_ptr())
-        self._resize.run_with_iobinding(b)
+        bound_run(self._resize, b)()
         return out
 
     def copy_slot(self, buf: ort.OrtValue, src: int, dst: int) -> None:
@@ -117,7 +117,7 @@ class KVOps:
         b = self._copy.io_binding()
         b.bind_input("x", self.device, 0, self.dtype, shape, buf.data_ptr() + src * stride)
         b.bind_output("y", self.device, 0, self.dtype, shape, buf.data_ptr() + dst * stride)
-        self._copy.run_with_iobinding(b)
+        bound_run(self._copy, b)()
 
 
 class DeviceKV:
@@ -279,7 +279,7 @@ class _Bound:
                       self.logits.ctypes.data)
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
         self.needs_sync = bool(self._refresh or self.attn_names)  # (CPU, plain: nothing to do)
-        self.run = lambda: sess.run_with_iobinding(b)
+        self.run = bound_run(sess, b)
 
     def reshape(self, S: int) -> None:
         """S new tokens per slot from now on (a kept last-row binding, whose other inputs and

@@ -25,6 +25,7 @@ from kvserve.model.config import ModelConfig
 
 from .fused import Prefilled
 from .base import CAPACITY_CHUNK, GENERATIONS, ArtifactRunner, chunks
+from .providers import bound_run
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +259,7 @@ class PortableLM(ArtifactRunner):
         if self._rebind:
             self._bind_inputs(binding, kv, n, ids, pos)
         t0 = time.perf_counter()
-        self.sessions[name].run_with_iobinding(binding)
+        bound_run(self.sessions[name], binding)()
         self.ort_seconds += time.perf_counter() - t0
         kv.append(n, rows)
         attn = None

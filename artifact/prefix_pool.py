@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import CAPACITY_CHUNK
+from .providers import bound_run
 
 MAX_BLOCK_TOKENS = CAPACITY_CHUNK  # a block must divide the KV capacity chunk
 
@@ -83,6 +84,34 @@ class FusedPrefixPool(_PoolBase):
                                                       block_tokens, cfg.head_dim), so, providers=lm.providers)
         self._load = ort.InferenceSession(_load_graph(2 * cfg.n_layers, self.dtype), so,
                                           providers=lm.providers)
+        # each copy's binding of the slot's and the pool's tensors, kept per (graph, buffer
+        # generation, slot): a copy then binds its block indices only (binding every tensor
+        # took ~105 us of a ~150 us copy of a few blocks on the 6M bench model); those of an
+        # older generation are dropped (they point into freed buffers)
+        self._bindings: dict[tuple[str, int, int], object] = {}
+
+    def _binding(self, graph: str, kv, slot: int):
+        """The kept binding of ``graph`` ("save" or "load") for ``slot`` of ``kv``'s buffers
+        now (its block indices are bound by the caller)."""
+        key = (graph, kv.generation, slot)
+        b = self._bindings.get(key)
+        if b is not None:
+            return b
+        self._bindings = {k: v for k, v in self._bindings.items() if k[1] == kv.generation}
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+        slot_shape = [cfg.n_kv_heads, kv.capacity, cfg.head_dim]
+        pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
+        b = (self._save if graph == "save" else self._load).io_binding()
+        for i, (buf, pool) in enumerate(self._pairs(kv)):
+            if graph == "save":
+                b.bind_input(f"x{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
+                b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+                b.bind_output(f"y{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+            else:
+                b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
+                b.bind_output(f"y{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
+        self._bindings[key] = b
+        return b
 
     def _pairs(self, kv):
         return [*zip(kv.k, self.k), *zip(kv.v, self.v)]
@@ -93,17 +122,10 @@ class FusedPrefixPool(_PoolBase):
         self._check_save(kv, slot, slot_blocks, pool_blocks)
         if not slot_blocks:
             return
-        cfg, dt, dev = self.cfg, self.dtype, self.device
-        b = self._save.io_binding()
+        b = self._binding("save", kv, slot)
         b.bind_cpu_input("rows", np.asarray(slot_blocks, np.int64))
         b.bind_cpu_input("ids", np.asarray(pool_blocks, np.int64)[:, None])
-        slot_shape = [cfg.n_kv_heads, kv.capacity, cfg.head_dim]
-        pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
-        for i, (buf, pool) in enumerate(self._pairs(kv)):
-            b.bind_input(f"x{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
-            b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
-            b.bind_output(f"y{i}", dev, 0, dt, pool_shape, pool.data_ptr())
-        self._save.run_with_iobinding(b)
+        bound_run(self._save, b)()
 
     def load(self, kv, slot: int, pool_blocks: list[int]) -> None:
         """The empty ``slot``'s first len(pool_blocks) * bt rows from the pool's blocks, in
@@ -111,20 +133,14 @@ class FusedPrefixPool(_PoolBase):
         self._check_load(kv, slot)
         if not pool_blocks:
             return
-        cfg, dt, dev = self.cfg, self.dtype, self.device
+        cfg = self.cfg
         rows = len(pool_blocks) * self.block_tokens
-        kv.ensure_capacity(rows + 1)
-        C = kv.capacity
-        b = self._load.io_binding()
+        kv.ensure_capacity(rows + 1)  # (before the binding: it may reallocate)
+        b = self._binding("load", kv, slot)
         b.bind_cpu_input("ids", np.asarray(pool_blocks, np.int64))
         b.bind_cpu_input("shape", np.array([cfg.n_kv_heads, rows, cfg.head_dim], np.int64))
-        b.bind_cpu_input("pads", np.array([0, 0, 0, 0, C - rows, 0], np.int64))
-        slot_shape = [cfg.n_kv_heads, C, cfg.head_dim]
-        pool_shape = [self.n_blocks, cfg.n_kv_heads, self.block_tokens, cfg.head_dim]
-        for i, (buf, pool) in enumerate(self._pairs(kv)):
-            b.bind_input(f"p{i}", dev, 0, dt, pool_shape, pool.data_ptr())
-            b.bind_output(f"y{i}", dev, 0, dt, slot_shape, kv.slot_ptr(buf, slot))
-        self._load.run_with_iobinding(b)
+        b.bind_cpu_input("pads", np.array([0, 0, 0, 0, kv.capacity - rows, 0], np.int64))
+        bound_run(self._load, b)()
         kv.used[slot] = rows
 
     def block_rows(self, layer: int, block: int) -> tuple[np.ndarray, np.ndarray]:

@@ -53,6 +53,7 @@ def test_a_failed_run_leaves_the_cache_as_it_was(main_model, lm, monkeypatch):
     step continues as if the failed call never happened (the engine fails the requests in
     flight and goes on)."""
     import onnxruntime as ort
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
 
     prompts = _prompts(main_model.cfg.vocab_size)
     ref = _reference(main_model, prompts)
@@ -67,6 +68,8 @@ def test_a_failed_run_leaves_the_cache_as_it_was(main_model, lm, monkeypatch):
     tokens = [ref.tokens[b][0] for b in range(B)]
     with monkeypatch.context() as m:
         m.setattr(ort.InferenceSession, "run_with_iobinding", boom)
+        # (the fused runner calls onnxruntime's C++ session directly: artifact.providers)
+        m.setattr(C.InferenceSession, "run_with_iobinding", boom)
         m.setattr(ort.InferenceSession, "run", boom)  # (the portable prefill's call)
         for call in (lambda: lm.decode(kv, B, tokens), lambda: lm.prefill(fresh, 0, prompts[:1])):
             try:

@@ -6,7 +6,7 @@ logits and greedy tokens equal prefilling the whole prompt, within 1e-4)."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as C
 import pytest
 from export_matrix import LOGIT_TOL
 from spec_testing import check_prefix_restore
@@ -25,8 +25,9 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
     lm.prefill(kv, 1, [ids[:30]], last=True)
     lm.prefill(kv, 2, [ids], last=True)  # 70 rows: blocks 0..3 full
     runs = []
-    real = ort.InferenceSession.run_with_iobinding
-    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding",
+    # (onnxruntime's C++ session class: the copies call it directly, artifact.providers)
+    real = C.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(C.InferenceSession, "run_with_iobinding",
                         lambda self, b, *a: (runs.append(1), real(self, b, *a))[1])
     pool.save(kv, 2, [0, 2, 3], [17, 4, 9])  # any slot blocks into any pool blocks
     assert len(runs) == (1 if lm.kind == "fused" else 0)  # one run for all layers and blocks
@@ -58,6 +59,41 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
                 assert a.shape[1] == 30 and np.array_equal(a, b)
     with pytest.raises(ValueError, match="empty slot"):
         pool.load(kv, 1, [0])
+
+
+def test_kept_copy_bindings_follow_slots_and_reallocated_buffers(lm):
+    """The fused pool keeps each copy's binding per (buffer generation, slot): a copy from
+    another slot, or after the KV buffers were reallocated (grown, shrunk), must read and
+    write the rows there now, not where an earlier copy's binding pointed."""
+    cfg = lm.cfg
+    pool = make_prefix_pool(lm, 16 * block_bytes(cfg, BT, 4), BT)
+    kv = lm.new_cache(3)
+    rng = np.random.default_rng(9)
+
+    def rows(slot, n):
+        return [np.concatenate([x[:, :n] for x in (kv.slot_rows(layer, slot) if lm.kind ==
+                                                   "fused" else (kv.k[layer][slot, :, :n],
+                                                                 kv.v[layer][slot, :, :n]))])
+                for layer in range(cfg.n_layers)]
+
+    def block(bid):
+        return [np.concatenate(pool.block_rows(layer, bid)) for layer in range(cfg.n_layers)]
+
+    for round_ in range(3):
+        for slot in (0, 2, 1):
+            kv.clear(slot)
+            lm.prefill(kv, slot, [rng.integers(0, cfg.vocab_size, 2 * BT).tolist()], last=True)
+            bid = 3 * round_ + slot
+            pool.save(kv, slot, [1], [bid])
+            want = [r[:, BT:2 * BT] for r in rows(slot, 2 * BT)]
+            assert all(np.array_equal(a, b) for a, b in zip(block(bid), want))
+            kv.clear(slot)
+            pool.load(kv, slot, [bid])
+            assert kv.used[slot] == BT
+            assert all(np.array_equal(a, b) for a, b in zip(rows(slot, BT), want))
+        generation = getattr(kv, "generation", None)
+        kv.ensure_capacity(kv.capacity + 1)  # new buffers: the kept bindings must not be used
+        assert getattr(kv, "generation", None) != generation or generation is None
 
 
 def test_block_size_must_divide_the_capacity_chunk(lm):
