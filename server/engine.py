@@ -57,6 +57,10 @@ from .stopping import argmax_from, quiet_rule
 
 log = logging.getLogger(__name__)
 
+# an idle engine waits this long for a next request before it copies the rows free slots kept
+# into the prefix cache (``ModelRunner.unsaved``): a chat client sends its next turn the moment
+# the last one ends, and that turn takes the rows over without the copy
+SAVE_WHEN_IDLE_AFTER = 0.005
 # what a request still queued or decoding when the engine stops is told (as UNAVAILABLE)
 SHUTTING_DOWN = "the server is shutting down (drain grace expired); retry on another replica"
 
@@ -97,7 +101,7 @@ class Engine:
         self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
                                   self.longrope, self.prefix, self.spec, self.fast_forward,
                                   self.costs)
-        self.sched.on_leave = self.runner.cache_tokens
+        self.sched.on_leave = self._left
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()
         self._stop = False
@@ -235,25 +239,42 @@ class Engine:
                  max(self.chunk_tokens, self.sched.prefill_chunk_tokens))
         sched = self.sched
         while True:
+            save = False
             with self._cond:
-                while not self._stop and not sched.active and not sched.waiting \
-                        and not self._jobs:
+                if self._idle() and self.runner.unsaved:  # a next request first (a chat's
+                    # next turn takes its slot's rows over: nothing to copy before it)
+                    self._cond.wait(SAVE_WHEN_IDLE_AFTER)
+                    save = self._idle()
+                while not save and self._idle():
                     self._cond.wait()
                 if self._stop:
                     break
-                admit = sched.take_admissions()
+                admit = [] if save else sched.take_admissions()
                 if self._queued != len(sched.waiting):
                     self._queued = len(sched.waiting)
                     self.metrics.queue_depth(self._queued)
-            try:
-                if self.iteration_hook is None:
-                    self._iteration(admit)
-                else:
-                    self.iteration_hook(lambda: self._iteration(admit))
-            except Exception as e:  # never leave callers hanging: fail what is in flight
-                log.exception("engine iteration failed")
-                self._fail_all(admit, e)
+            if save:  # nothing else to do: the rows free slots kept go into the prefix cache
+                self._guarded(self.runner.save_unsaved, [])
+            else:
+                self._guarded(lambda: self._iteration(admit), admit)
         self._shut_down()
+
+    def _idle(self) -> bool:
+        """Nothing to do (under the lock): no request active or queued, no Score job."""
+        return not self._stop and not self.sched.active and not self.sched.waiting \
+            and not self._jobs
+
+    def _guarded(self, work: Callable[[], None], admit: list[Sequence]) -> None:
+        """One iteration's ``work`` (through ``iteration_hook`` when set); an exception fails
+        what is in flight (``admit``: the requests it was admitting) instead of the thread."""
+        try:
+            if self.iteration_hook is None:
+                work()
+            else:
+                self.iteration_hook(work)
+        except Exception as e:  # never leave callers hanging: fail what is in flight
+            log.exception("engine iteration failed")
+            self._fail_all(admit, e)
 
     def _fail_all(self, admit: list[Sequence], e: Exception) -> None:
         for seq in self.sched.active + admit:
@@ -290,6 +311,9 @@ class Engine:
         if admit:
             output.wake_staged()  # before a prefill that may take a while
             self._admit(admit)
+        elif self.runner.unsaved:  # rows of slots left in an earlier iteration: while others
+            # decode, no idle moment is coming (an admission would have taken them over)
+            self.runner.save_unsaved()
         sched.retire_dead()
         if sched.active:
             self.runner.step()
@@ -326,6 +350,14 @@ class Engine:
                 self.spec.admit(seq)
         self.sched.reserve(seqs)
         self.runner.prefill(plain, attn)
+
+    def _left(self, slot: int, seq: Sequence, kept: bool) -> None:
+        """A finished sequence leaves ``slot``: its rows go to the prefix cache (the runner's
+        ``cache_tokens``), and its n-gram index is let go now, in the iteration it ended in
+        (freeing a 700-token one takes ~50 us; later it would fall into the next request's
+        admission, before that one's first token)."""
+        self.runner.cache_tokens(slot, seq, kept)
+        seq.drafting = None
 
     def prefill_tokens(self) -> int:
         return self.sched.prefill_tokens()

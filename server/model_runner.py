@@ -9,7 +9,9 @@ blocks of the pool (``server.prefix_cache``), their rows copied into its slot on
 the rows its slot still has of the sequence that left it, where those are more
 (``server.slot_rows``: a chat's next turn finds its whole history there); only the rest is
 prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
-it leaves. Sequences admitted together whose prompts begin with the same block are prefilled
+it leaves (where no compaction move writes into its slot, once the engine is idle or at the
+next step while others decode: a chat's next turn, admitted first, takes the slot's rows over
+and caches its own prompt, which begins with them, after its first token). Sequences admitted together whose prompts begin with the same block are prefilled
 one after the other, so a shared prefix is computed once. What is prefilled is the sequence's
 ``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
 (``server.resume``), so a stream resumed on the replica it left finds them cached.
@@ -45,6 +47,9 @@ class ModelRunner:
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
         self.slot_rows = SlotRows() if prefix is not None else None  # (with the cache only)
+        # free slots whose kept rows are still to be copied into the prefix cache: slot ->
+        # (the KV cache, the tokens of its rows) (``cache_tokens``)
+        self._unsaved: dict[int, tuple[object, list[int]]] = {}
         self.spec = speculator
         self.ff = fast_forward
         self.costs = costs if costs is not None else StepCosts()  # (the drafters' figures)
@@ -116,7 +121,7 @@ class ModelRunner:
         lo = len(active)  # the group takes the next free slots, in order
         if self.slot_rows is not None:
             for slot in range(lo, lo + len(group)):
-                self.slot_rows.take(kv, slot)
+                self._take(kv, slot)
         res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
         for b, (seq, n) in enumerate(zip(group, lens)):
@@ -151,10 +156,10 @@ class ModelRunner:
             if own is None:
                 own = self.slot_rows.match(kv, slot, seq.prefill_ids)
             if own > n:
-                self.slot_rows.take(kv, slot, own)
+                self._take(kv, slot, own)
                 n = own
             else:
-                self.slot_rows.take(kv, slot)
+                self._take(kv, slot)
                 if n:
                     self.prefix.restore(kv, slot, blocks)
         finally:
@@ -173,16 +178,61 @@ class ModelRunner:
         if self.prefix is not None:
             self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
 
-    def cache_tokens(self, slot: int, seq: Sequence) -> None:
+    def cache_tokens(self, slot: int, seq: Sequence, kept: bool = False) -> None:
         """A leaving sequence's rows (prompt and generated tokens) into the prefix cache; its
-        slot keeps them too (``server.slot_rows``)."""
+        slot keeps them too (``server.slot_rows``). ``kept``: no compaction move writes into
+        the slot, so the copy into the pool can wait (``unsaved``) until the engine has
+        nothing else to do, or a sequence is admitted into that slot: one that continues
+        these tokens (a chat's next turn) takes the rows over and caches its prompt, which
+        begins with them, after its first token, so the copy is not made before it."""
         if self.prefix is None:
             return
         kv = self.sched.kv
         tokens = None if seq.forced else seq.tokens()  # (a prompt tail not fed: rows unknown)
-        if tokens is not None:
+        if tokens is not None and not kept:
             self.prefix.insert(kv, slot, tokens)
         self.slot_rows.left(kv, slot, tokens)
+        if tokens is not None and kept:
+            self._unsaved[slot] = (kv, tokens)
+
+    @property
+    def unsaved(self) -> bool:
+        """Some free slot's rows wait to be copied into the prefix cache."""
+        return bool(self._unsaved)
+
+    def save_unsaved(self) -> None:
+        """Copy every free slot's rows that wait for it into the prefix cache."""
+        for slot in list(self._unsaved):
+            self._save(slot)
+
+    def _save(self, slot: int) -> None:
+        """The rows ``slot`` still retains of the tokens that wait for the prefix cache, into
+        it (a free slot: its ``used`` is 0 while they are copied)."""
+        kv, tokens = self._unsaved[slot]
+        rows = int(kv.retained[slot]) if kv is self.sched.kv else 0  # (a new cache: gone)
+        used = int(kv.used[slot])
+        try:
+            if rows >= self.prefix.block_tokens:
+                kv.used[slot] = rows
+                self.prefix.insert(kv, slot, tokens[:rows])
+        finally:  # (``unsaved`` is false only once the copy is done)
+            kv.used[slot] = used
+            del self._unsaved[slot]
+
+    def _take(self, kv, slot: int, rows: int = 0) -> None:
+        """A sequence is admitted into ``slot``, taking over the first ``rows`` rows it
+        retains: the rows that wait for the prefix cache go there first, unless the ones
+        taken over hold all of their whole blocks (the sequence's prompt, cached after its
+        first token, begins with them)."""
+        waiting = self._unsaved.get(slot)
+        if waiting is not None:
+            bt = self.prefix.block_tokens
+            whole = min(len(waiting[1]), int(kv.retained[slot])) // bt * bt
+            if rows >= whole and waiting[0] is kv:
+                del self._unsaved[slot]
+            else:
+                self._save(slot)
+        self.slot_rows.take(kv, slot, rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``

@@ -85,9 +85,9 @@ def test_bulk_extend_equals_token_by_token():
             chunk = [rnd.randrange(vocab) for _ in range(rnd.choice([0, 1, 2, 3, 9, 40]))]
             bulk.extend(chunk)
             seq += chunk
-            # the definition: per n, each n-gram -> the end of its latest occurrence that has
-            # a follower
-            assert bulk._last == [{tuple(seq[e - n:e]): e for e in range(n, len(seq))}
+            # the definition: per n, each n-gram (keyed by its tuple's hash) -> the end of its
+            # latest occurrence that has a follower
+            assert bulk._last == [{hash(tuple(seq[e - n:e])): e for e in range(n, len(seq))}
                                   for n in range(min_n, max_n + 1)], trial
             for k in (1, 4, 9):
                 assert bulk.propose(k) == propose(seq, k, min_n, max_n)

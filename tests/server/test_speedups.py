@@ -251,8 +251,8 @@ def test_a_turn_whose_blocks_left_the_pool_still_finds_its_slot_rows(lm):
                                 StopParams(max_new_tokens=10, ignore_eos=True), OutputParams())
         reply = _tokens(_run(fast, [first]))[0]
         deadline = time.monotonic() + 30  # (its Finish comes before it leaves its slot)
-        while fast.load()["running"] and time.monotonic() < deadline:
-            time.sleep(0.001)
+        while (fast.load()["running"] or fast.runner.unsaved) and time.monotonic() < deadline:
+            time.sleep(0.001)  # (and its rows copied into the pool: the engine's idle moment)
         fast.prefix.__init__(fast.prefix.pool)  # every block evicted
         prompt = list(PROMPTS[5]) + reply + [7, 8, 9]
         req = GenerateRequest(prompt, SamplingParams(),
@@ -263,4 +263,100 @@ def test_a_turn_whose_blocks_left_the_pool_still_finds_its_slot_rows(lm):
             _tokens(_run(plain, [req]))[0]
     finally:
         plain.stop()
+        fast.stop()
+
+
+def _settled(engine: Engine) -> None:
+    """Wait until the engine is idle with nothing left to copy into the prefix cache (its
+    thread owns the cache: the test reads it only then)."""
+    deadline = time.monotonic() + 30
+    while (engine.load()["running"] or engine.runner.unsaved) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not engine.runner.unsaved
+
+
+def _pool_covers(engine: Engine, tokens: list[int]) -> int:
+    blocks, n = engine.prefix.match(tokens + [0])  # (match leaves one token: add one)
+    engine.prefix.release(blocks)
+    return n
+
+
+def test_a_leaving_sequences_rows_reach_the_pool_when_the_engine_is_idle(lm):
+    """The copy of a finished request's rows into the pool waits for an idle moment (or the
+    next admission); then the pool has every whole block of its prompt and reply."""
+    fast = _engine(lm, 64, 0)
+    try:
+        req = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
+                              StopParams(max_new_tokens=30, ignore_eos=True), OutputParams())
+        reply = _tokens(_run(fast, [req]))[0]
+        _settled(fast)
+        rows = len(PROMPTS[5]) + len(reply) - 1  # (the last token was never fed)
+        assert _pool_covers(fast, list(PROMPTS[5]) + reply) == rows // 16 * 16
+    finally:
+        fast.stop()
+
+
+def test_a_next_turn_takes_the_rows_before_they_are_copied(lm, monkeypatch):
+    """A chat's next turn arrives before the idle moment: it takes its slot's rows over, no
+    copy is made before its first token (its prompt, which begins with them, is cached after
+    it), and the pool ends with every whole block of it. Another request arriving instead
+    (its prompt is not their continuation) has them copied first: the pool keeps them."""
+    import kvserve.server.engine as E
+
+    monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # no idle save during the test
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    inserts: list[int] = []
+    insert = fast.prefix.insert
+
+    def spy(kv, slot, tokens):
+        inserts.append(len(tokens))
+        return insert(kv, slot, tokens)
+    fast.prefix.insert = spy
+    try:
+        def request(prompt):
+            return GenerateRequest(list(prompt), SamplingParams(),
+                                   StopParams(max_new_tokens=12, ignore_eos=True),
+                                   OutputParams())
+        first = list(PROMPTS[5])
+        reply = _tokens(_run(fast, [request(first)]))[0]
+        assert inserts == [len(first)] and fast.runner.unsaved  # (the prompt's, at its start)
+        turn = first + reply + [7, 8, 9]
+        h = fast.submit(request(turn))
+        events = list(h)
+        assert events[-1].cached_tokens == len(first) + len(reply) - 1
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == \
+            _tokens(_run(plain, [request(turn)]))[0]
+        assert inserts == [len(first), len(turn)]  # the first turn's rows never copied alone
+        other = [3] * 20  # not a continuation: the rows the slot kept go to the pool first
+        _run(fast, [request(other)])
+        assert inserts[2:4] == [len(turn) + 11, len(other)]  # (its rows: the last token had none)
+        fast.stop()  # (the test reads the pool: the engine's thread owns it)
+        assert _pool_covers(fast, turn) == len(turn) // 16 * 16
+    finally:
+        plain.stop()
+        fast.stop()
+
+
+def test_rows_left_beside_decoding_sequences_are_copied_at_the_next_step(lm, monkeypatch):
+    """A sequence that leaves the last slot while others go on decoding: no idle moment is
+    coming, so its rows go into the pool at the next iteration, while the others decode."""
+    import kvserve.server.engine as E
+
+    monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # (an idle save would hide it)
+    fast = _engine(lm, 64, 0)
+    seen: list[tuple[int, int]] = []  # (tokens inserted, sequences active then)
+    insert = fast.prefix.insert
+
+    def spy(kv, slot, tokens):
+        seen.append((len(tokens), len(fast.sched.active)))
+        return insert(kv, slot, tokens)
+    fast.prefix.insert = spy
+    try:
+        long_ = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
+                                StopParams(max_new_tokens=40, ignore_eos=True), OutputParams())
+        short = GenerateRequest(list(range(100, 140)), SamplingParams(),
+                                StopParams(max_new_tokens=4, ignore_eos=True), OutputParams())
+        _run(fast, [long_, short])  # (the short one in slot 1, the last)
+        assert (40 + 4 - 1, 1) in seen  # its rows, copied while the long one decoded
+    finally:
         fast.stop()
