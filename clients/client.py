@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
+import grpc.experimental
 
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
@@ -104,6 +105,13 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 # on_attempt(method, attempt): called before every attempt (1-based), e.g. to count retries
 AttemptHook = Callable[[str, int], None]
+
+
+# a stream's call runs on the thread that reads it (gRPC's experimental option): without it,
+# gRPC's blocking channel starts a thread for its calls whenever none is in flight, which
+# took ~2 ms of every call made one after another (a 128-token stream of the 6M bench model
+# takes ~40 ms)
+_SINGLE_THREADED_STREAMS = (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)
 
 
 def _channel_options(extra: Sequence[tuple] = ()) -> list[tuple]:
@@ -190,10 +198,11 @@ class Client(_Base):
 
     def __init__(self, target: str, **kw):
         super().__init__(target, **kw)
+        options = [*self._options, _SINGLE_THREADED_STREAMS]
         if self._creds is not None:
-            self._channel = grpc.secure_channel(target, self._creds, options=self._options)
+            self._channel = grpc.secure_channel(target, self._creds, options=options)
         else:
-            self._channel = grpc.insecure_channel(target, options=self._options)
+            self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.InferenceStub(self._channel)
 
     def __enter__(self) -> "Client":
