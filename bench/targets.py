@@ -29,8 +29,11 @@ STEP_SLOWER_PORTABLE = ("decode graph slower per step (the latency table's step 
                         "in genai's (GroupQueryAttention with RoPE and the KV write fused)")
 OVERHEAD = ("per-token work on the engine thread and the caller's wake-ups (at most one per "
             "--stream-interval-ms)")
-GRPC_ONE = ("Python gRPC per message (tokens coalesced per wake-up, --stream-interval-ms) and "
-            "the client process on the same 2 cores as the server")
+GRPC_ONE = ("per call, Python gRPC's own path on both sides (6M, one 128-token stream, "
+            "2026-12-02: ~1.3 ms from the client's call to the servicer, ~0.3 ms to map the "
+            "request, ~0.6 ms from the first token to its message; ~3-4 ms of a ~40 ms call), "
+            "and the client process on the same 2 cores as the server; the per-round ratios "
+            "of this cell swing by a third on this machine")
 SCORE_SAME = ("Score and transformers run the same matmuls (the lm_head over every position "
               "dominates at this vocabulary) on the same 2 cores; what Score saves is per-call "
               "overhead, not arithmetic")
