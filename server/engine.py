@@ -15,6 +15,8 @@ Each loop iteration:
   4. retire finished / cancelled / expired sequences, compacting slots with the cache's
      ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
+With nothing to do, the engine copies the rows free slots kept into the prefix cache (after
+``SAVE_WHEN_IDLE_AFTER`` without a new request: ``ModelRunner.unsaved``), then waits.
 A resumed request (``server.resume``: it carries the tokens an earlier call delivered) is
 brought to where that call left off at admission, and its prefill feeds prompt + those tokens.
 No request waits for another to finish: a new request joins at the next iteration.

@@ -11,8 +11,9 @@ the rows its slot still has of the sequence that left it, where those are more
 prefilled; its prompt's blocks are cached after the prefill, its generated tokens' when
 it leaves (where no compaction move writes into its slot, once the engine is idle or at the
 next step while others decode: a chat's next turn, admitted first, takes the slot's rows over
-and caches its own prompt, which begins with them, after its first token). Sequences admitted together whose prompts begin with the same block are prefilled
-one after the other, so a shared prefix is computed once. What is prefilled is the sequence's
+and caches its own prompt, which begins with them, after its first token). Sequences
+admitted together whose prompts begin with the same block are prefilled one after the
+other, so a shared prefix is computed once. What is prefilled is the sequence's
 ``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
 (``server.resume``), so a stream resumed on the replica it left finds them cached.
 """
