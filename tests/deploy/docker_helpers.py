@@ -116,5 +116,7 @@ def proc_status(docker: str, container: str) -> dict[str, dict[str, str]]:
         fields = {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
         if fields.get("cmd", "").startswith("sh -c for s in"):
             continue  # this probe itself
+        if "Uid" not in fields:  # gone between the listing and its read (a healthcheck's
+            continue  # short-lived process: the compose file runs one every 10 s)
         procs[f"{path} {fields.get('cmd', '')}"] = fields
     return procs
