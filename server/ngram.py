@@ -223,20 +223,31 @@ def best_positions(rows: list[tuple[float, int]], cost) -> int:
     """The positions S a row (1 + the longest draft used) for a batch whose rows offer drafts
     of ``len`` tokens with acceptance ``a`` (``rows``: (a, len) each; a row without a draft:
     len 0): the S with the most expected tokens per ``cost(S)`` (a call of S positions a row
-    over a plain step), every row using up to S - 1 of its tokens (the padding is paid
-    anyway). S = 1 is the plain step. Ties: the shorter."""
-    top = max((k for _, k in rows), default=0)
+    over a plain step; or ``cost[S - 1]``: a sequence of them, S = 1 ..), every row using up
+    to S - 1 of its tokens (the padding is paid anyway). S = 1 is the plain step. Ties: the
+    shorter. (It runs before every step that may draft: one pass per row, no lists.)"""
+    top = 0
+    for _, k in rows:
+        if k > top:
+            top = k
     if top == 0:
         return 1
-    # tokens[j]: the batch's expected tokens at S = j + 1 (each row: 1 + a + .. + a^min(j, k))
+    if callable(cost):
+        cost = [cost(S) for S in range(1, top + 2)]
+    # tokens[j]: the batch's expected tokens at S = j + 1 (each row: 1 + a + .. + a^min(j, k),
+    # summed in the order ``expected`` sums them)
     tokens = [0.0] * (top + 1)
     for a, k in rows:
-        g = expected(a, k)
-        for j in range(top + 1):  # (a shorter draft: its tokens stop growing)
-            tokens[j] += g[min(j, k)]
-    best, best_s = tokens[0] / cost(1), 1
+        e = p = 1.0
+        tokens[0] += 1.0
+        for j in range(1, top + 1):
+            if j <= k:  # (a shorter draft: its tokens stop growing)
+                p *= a
+                e += p
+            tokens[j] += e
+    best, best_s = tokens[0] / cost[0], 1
     for s in range(2, top + 2):
-        v = tokens[s - 1] / cost(s)
+        v = tokens[s - 1] / cost[s - 1]
         if v > best * (1 + 1e-9):
             best, best_s = v, s
     return best_s

@@ -146,7 +146,7 @@ class Speculator:
         if not any(out):
             return None
         rows = [(self.rate(s) if d else 0.0, len(d)) for s, d in zip(active, out)]
-        S = best_positions(rows, lambda positions: self.costs.relative(n, positions))
+        S = best_positions(rows, self.costs.relatives(n, 1 + max(len(d) for d in out)))
         if S == 1:  # no draft pays for its positions at this batch size now: the rows'
             for seq, d in zip(active, out):  # acceptance estimates fade towards the prior,
                 if d:  # so that in a while they are weighed (and then measured) again

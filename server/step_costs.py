@@ -84,21 +84,26 @@ class StepCosts:
     def relative(self, n: int, positions: int) -> float:
         """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's:
         measured, else interpolated (see the module's docstring)."""
-        if positions <= 1:
-            return 1.0
+        return 1.0 if positions <= 1 else self.relatives(n, positions)[-1]
+
+    def relatives(self, n: int, top: int) -> list[float]:
+        """``relative(n, S)`` for S = 1 .. ``top``, in one pass (the drafters weigh every
+        length before each step)."""
         known = self.ratio.get(n)
         if not known or n not in self.plain:
-            return 1.0 + PRIOR_PER_POSITION * (positions - 1)
-        r = known.get(positions)
-        if r is not None:
-            return r
+            return [1.0 + PRIOR_PER_POSITION * (S - 1) for S in range(1, top + 1)]
         xs = sorted(known)
         ys = [known[S] for S in xs]
         xs.insert(0, 1)
         ys.insert(0, 1.0)
-        i = bisect.bisect_left(xs, positions)  # xs[i - 1] < positions < xs[i] (or the end)
-        if i == len(xs):  # past the longest measured: along the last segment
-            i -= 1
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        slope = max(0.0, (y1 - y0) / (x1 - x0))
-        return max(1.0, y0 + slope * (positions - x0))
+        out = [1.0]
+        for S in range(2, top + 1):
+            r = known.get(S)
+            if r is None:
+                i = bisect.bisect_left(xs, S)  # xs[i - 1] < S < xs[i] (or the end)
+                if i == len(xs):  # past the longest measured: along the last segment
+                    i -= 1
+                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+                r = max(1.0, y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (S - x0))
+            out.append(r)
+        return out

@@ -158,6 +158,7 @@ def test_one_row_takes_the_length_with_most_expected_tokens_per_cost(a, per):
     cost = lambda positions: 1.0 + per * (positions - 1)  # noqa: E731
     value = [sum(a ** i for i in range(k + 1)) / cost(k + 1) for k in range(9)]
     k = best_positions([(a, 8)], cost) - 1
+    assert best_positions([(a, 8)], [cost(S) for S in range(1, 10)]) == k + 1  # (a sequence)
     assert value[k] == pytest.approx(max(value), rel=1e-9)
     assert k == min(i for i, v in enumerate(value) if v >= max(value) * (1 - 1e-9))
 

@@ -82,3 +82,20 @@ def test_a_plain_step_after_a_change_of_shape_is_not_the_reference():
     assert c.plain_step(4, 0.007) is False and 4 not in c.plain  # (8 -> 4 rows)
     assert c.plain_step(4, 0.006) is True and c.plain[4] == pytest.approx(0.006)
     assert StepCosts().plain_step(2, 0.005) is True  # the engine's first step
+
+
+def test_relatives_are_relative_at_every_length():
+    """``relatives(n, top)``, what the speculator weighs every length with in one call, is
+    ``relative(n, S)`` for S = 1 .. top: measured, interpolated, extrapolated or the prior."""
+    c = StepCosts()
+    assert c.relatives(8, 4) == [c.relative(8, S) for S in range(1, 5)]  # the prior
+    for _ in range(3):
+        c.plain_step(8, 0.001)
+    for S, seconds in ((2, 0.0019), (5, 0.0037), (3, 0.0024)):
+        c.verify_step(8, S, seconds)
+        c.plain_step(8, 0.001)
+        c.plain_step(8, 0.001)
+    got = c.relatives(8, 12)
+    assert got == [c.relative(8, S) for S in range(1, 13)]
+    assert got[0] == 1.0 and got[1] == pytest.approx(1.9) and got[4] == pytest.approx(3.7)
+    assert got == sorted(got)  # (these measurements grow with S: so do the figures between)
