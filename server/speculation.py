@@ -14,8 +14,9 @@ Four things keep it from costing speed:
   measured for drafts that followed as long an n-gram match, that sequence's own drawn towards
   the engine's: ``ngram.AdaptiveK``), the call costs what the engine measured for
   that many positions a row at that batch size (``server.step_costs``), and the step takes the
-  length with the most expected tokens per second (all rows' drafts cut to it: the padding is
-  paid anyway), or a plain step when no draft pays;
+  length at which the rows gain most in geometric mean (all rows' drafts cut to it: the
+  padding is paid anyway; a row without a draft is not slowed for the others' sake unless
+  they gain more, in ratio), or a plain step when no draft pays;
 - per engine, ``Backoff``: the tokens the verification steps of a window yield per second are
   compared with the plain step's at the same batch size (two plain steps are taken now and
   then to keep that figure fresh); a window that yields fewer pauses speculation (the batch is

@@ -163,6 +163,19 @@ def test_one_row_takes_the_length_with_most_expected_tokens_per_cost(a, per):
     assert k == min(i for i, v in enumerate(value) if v >= max(value) * (1 - 1e-9))
 
 
+def test_a_row_without_a_draft_is_not_slowed_for_the_others_sake():
+    """Two rows in a loop and six without a draft, where 8 extra positions double the call: the
+    batch's tokens per cost peak at S = 9 (15.2 + 6 tokens for 2x the time), which runs the six
+    at half their speed; the rows' geometric-mean speed peaks at S = 2 (each of the six at
+    1 / 1.125, the two at 1.95 / 1.125)."""
+    cost = lambda positions: 1.0 + 0.125 * (positions - 1)  # noqa: E731
+    rows = [(0.95, 8)] * 2 + [(0.0, 0)] * 6
+    tokens = [sum(expected(a, k)[min(S - 1, k)] for a, k in rows) / cost(S) for S in range(1, 10)]
+    assert max(range(9), key=tokens.__getitem__) + 1 == 9  # (what the sum of tokens would take)
+    assert best_positions(rows, cost) == 2
+    assert best_positions([(0.95, 8)] * 6 + [(0.0, 0)] * 2, cost) == 9  # most rows gain: long
+
+
 def test_a_batch_weighs_every_row_against_the_padding():
     """Batch 8 where 8 extra positions a row double the call: one good row's long draft does
     not pay for the other rows' padding; eight good rows' drafts do."""
