@@ -46,6 +46,10 @@ class ArtifactRunner:
         self.diagnostics_options = self.options if attention_copy else \
             session_options(self.options.intra_op_num_threads, spin, prepack=False)
         self.ort_seconds = 0.0  # time inside onnxruntime's runs, all calls (profiling tools)
+        # IO bindings built so far: a call that built one paid a one-time cost (and, for a new
+        # input shape, onnxruntime's own first run of it), which the engine's step costs
+        # leave out (``server.step_costs``)
+        self.bindings_built = 0
         self._log_softmax: LogSoftmax | None = None
 
     def log_softmax(self, rows: np.ndarray) -> np.ndarray:

@@ -243,6 +243,7 @@ class _Bound:
 
     def __init__(self, lm: "FusedLM", sess: ort.InferenceSession, kv: DeviceKV, lo: int,
                  n: int, S: int, attention: bool, last: bool):
+        lm.bindings_built += 1
         spec, cfg = lm.spec_for(attention), lm.cfg
         self.binding = b = sess.io_binding()
         self.ids = np.zeros((n, S), np.int64)

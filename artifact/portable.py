@@ -346,6 +346,7 @@ class PortableLM(ArtifactRunner):
             return hit
         # a binding holds its buffers alive: drop those of reallocated (older) buffer sets
         self._bound = {k: v for k, v in self._bound.items() if k[2] == kv.generation}
+        self.bindings_built += 1
         sess, cfg = self.sessions[name], self.cfg
         b = sess.io_binding()
         ids = np.zeros((n, 1), np.int64)

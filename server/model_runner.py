@@ -275,6 +275,7 @@ class ModelRunner:
         masks = self._constrained(active)
         if masks:  # computed while the model runs on its device
             self.masks.start(masks)
+        built = self._bindings_built()
         t0 = time.monotonic()
         try:
             logits, attn = self.lm.decode(kv, n, tokens, attention=attention)
@@ -303,9 +304,15 @@ class ModelRunner:
                         premasked=bool(masks), now=now)
         # the drafters weigh whole steps: the call and the tokens' handling after it (a
         # verification walks its rows token by token, a plain step takes one argmax)
-        steady = self.costs.plain_step(n, time.monotonic() - t0)
+        steady = self.costs.plain_step(n, time.monotonic() - t0,
+                                       once=self._bindings_built() != built)
         if self.spec is not None:
             self.spec.backoff.plain_step(n, steady)
+
+    def _bindings_built(self) -> int:
+        """The runner's IO bindings built so far (a call that built one paid a one-time cost,
+        which the step costs leave out); 0 for a runner that does not count them."""
+        return getattr(self.lm, "bindings_built", 0)
 
     def _constrained(self, active: list[Sequence]) -> list:
         """The batch's constrained rows whose masks are made while the model runs, where it runs
@@ -331,6 +338,7 @@ class ModelRunner:
         before = kv.used[:n].tolist()
         rows = [[s.feed, *d] for s, d in zip(active, drafts)]
         S = max(map(len, rows))
+        built = self._bindings_built()
         t0 = time.monotonic()
         logits = self.lm.verify(kv, n, rows)
         self.steps += 1
@@ -363,7 +371,7 @@ class ModelRunner:
                 self.spec.record(seq, len(draft), accepted)
                 self.metrics.speculated(len(draft), accepted)
         seconds = time.monotonic() - t0  # (the whole step, as the plain one's)
-        self.costs.verify_step(n, S, seconds)
+        self.costs.verify_step(n, S, seconds, once=self._bindings_built() != built)
         if ngram:
             self.spec.backoff.verify_step(n, seconds, emitted - forced)
 

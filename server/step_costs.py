@@ -43,26 +43,32 @@ class StepCosts:
         self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
         self._last: tuple[int, int] | None = None  # the last step's (n, S)
 
-    def plain_step(self, n: int, seconds: float) -> bool:
+    def plain_step(self, n: int, seconds: float, once: bool = False) -> bool:
         """A plain step at batch size ``n`` took ``seconds``. Counted only when the step
         before it was a plain one at the same batch size (returns whether it was): the first
         plain call after a verification, or at a new batch size, pays for the change of shape
         (~15% more on the CPU provider, measured with onnxruntime alone at batch 8), and a
-        reference measured only there made every verification look cheaper than it is."""
+        reference measured only there made every verification look cheaper than it is.
+        ``once``: the call paid a one-time cost (it built its IO binding): not counted."""
         steady = self._last in (None, (n, 1))
         self._last = (n, 1)
-        if steady:
+        if steady and not once:
             recent = self._plain_samples.setdefault(n, deque(maxlen=_SAMPLES))
             recent.append(seconds)
             self.plain[n] = statistics.median(recent)
         return steady
 
-    def verify_step(self, n: int, positions: int, seconds: float) -> None:
+    def verify_step(self, n: int, positions: int, seconds: float, once: bool = False) -> None:
         """A verification call at batch size ``n`` with ``positions`` per row (padded) took
-        ``seconds`` (measured against the plain step's seconds at the time)."""
+        ``seconds`` (measured against the plain step's seconds at the time). ``once``: the
+        call paid a one-time cost, not counted: the first call of a shape builds its IO
+        binding and is onnxruntime's first run of that shape. On the trained model at batch 1
+        such first calls measured 2.5-3.4 plain steps for S = 2, 3, 5 and 7, where S = 4's
+        later calls took 1.31 (median of 295); a shape taken once kept that figure, and the
+        drafts that would have used it were refused for its price."""
         self._last = (n, positions)
         plain = self.plain.get(n)
-        if plain is None or plain <= 0 or positions < 2:
+        if plain is None or plain <= 0 or positions < 2 or once:
             return
         recent = self._samples.setdefault(n, {}).setdefault(positions, deque(maxlen=_SAMPLES))
         recent.append(max(1.0, seconds / plain))

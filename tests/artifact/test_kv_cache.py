@@ -329,3 +329,17 @@ def test_last_row_prefills_keep_their_binding(main_model, lm):
             held = len(bound._values)
         assert len(bound._values) == held  # the latest ids only, whatever the lengths so far
     assert len(lm._prefill_bound) == 1
+
+
+def test_bindings_built_counts_the_calls_that_paid_for_one(lm):
+    """``bindings_built`` grows when a call builds an IO binding (a new batch size, new
+    buffers), not when it reuses one: the engine leaves such calls out of its step costs."""
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [[5, 6, 7], [8, 9, 10]], last=True)
+    before = lm.bindings_built
+    lm.decode(kv, 2, [1, 2])
+    assert lm.bindings_built == before + 1
+    lm.decode(kv, 2, [3, 4])
+    assert lm.bindings_built == before + 1  # (reused)
+    lm.decode(kv, 1, [5])
+    assert lm.bindings_built == before + 2  # (another batch size)

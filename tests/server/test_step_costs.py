@@ -99,3 +99,20 @@ def test_relatives_are_relative_at_every_length():
     assert got == [c.relative(8, S) for S in range(1, 13)]
     assert got[0] == 1.0 and got[1] == pytest.approx(1.9) and got[4] == pytest.approx(3.7)
     assert got == sorted(got)  # (these measurements grow with S: so do the figures between)
+
+
+def test_a_call_that_paid_a_one_time_cost_is_not_counted():
+    """The first call of a shape builds its IO binding (and is onnxruntime's first run of that
+    shape): on the trained model such calls measured 2.5-3.4 plain steps where the same
+    shape's later calls took 1.2-1.4. Taken as the shape's figure, one such sample kept it
+    out of use; ``once`` calls leave the figures as they were."""
+    c = StepCosts()
+    c.plain_step(8, 0.001)
+    c.plain_step(8, 0.005, once=True)  # (a steady step, but it built a binding)
+    assert c.plain[8] == 0.001
+    c.verify_step(8, 3, 0.004, once=True)
+    assert c.ratio.get(8, {}).get(3) is None and not c.measured(8)
+    c.plain_step(8, 0.001)  # (the first plain step after a verification: not steady)
+    c.plain_step(8, 0.001)
+    c.verify_step(8, 3, 0.0013)
+    assert c.relative(8, 3) == pytest.approx(1.3)
