@@ -90,7 +90,12 @@ class StepCosts:
     def relative(self, n: int, positions: int) -> float:
         """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's:
         measured, else interpolated (see the module's docstring)."""
-        return 1.0 if positions <= 1 else self.relatives(n, positions)[-1]
+        if positions <= 1:
+            return 1.0
+        known = self.ratio.get(n)
+        if known and n in self.plain and positions in known:  # (measured: no list)
+            return known[positions]
+        return self.relatives(n, positions)[-1]
 
     def relatives(self, n: int, top: int) -> list[float]:
         """``relative(n, S)`` for S = 1 .. ``top``, in one pass (the drafters weigh every
