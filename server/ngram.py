@@ -211,7 +211,10 @@ _IDLE_DECAY = 0.9  # ... and per step whose draft was not used
 
 
 def expected(a: float, k: int) -> list[float]:
-    """[E(0), .., E(k)]: the tokens a draft of j tokens is expected to yield, 1 + a + .. + a^j."""
+    """[E(0), .., E(k)]: the tokens a draft of j tokens is expected to yield, 1 + a + .. + a^j.
+    (``best_positions`` sums the same series in its own loop, without the list per row: built
+    through this, its weighing took 29 us instead of 18 at batch 8; tests weigh batches with
+    this to check it.)"""
     out, e, p = [1.0], 1.0, 1.0
     for _ in range(k):
         p *= a
