@@ -360,3 +360,40 @@ def test_rows_left_beside_decoding_sequences_are_copied_at_the_next_step(lm, mon
         assert (40 + 4 - 1, 1) in seen  # its rows, copied while the long one decoded
     finally:
         fast.stop()
+
+
+def test_the_backoff_charges_a_verification_with_the_drafting_before_it(lm):
+    """Speculation's own cost against a plain step includes the lookups and the weighing that
+    made the step's drafts: each verification the ``Backoff`` weighs is charged at least the
+    time ``drafts`` took (here made 20 ms longer), while the step costs are the call's and
+    its tokens' alone."""
+    fast = _engine(lm, 0, 8)
+    spec = fast.runner.spec
+    drafts, verify = spec.drafts, spec.backoff.verify_step
+    slow, charged, measured = 0.02, [], []
+
+    def slow_drafts(active):
+        out = drafts(active)
+        if out is not None:
+            time.sleep(slow)
+        return out
+
+    def spy(n, seconds, tokens):
+        charged.append(seconds)
+        return verify(n, seconds, tokens)
+    costs_verify = fast.runner.costs.verify_step
+
+    def costs_spy(n, S, seconds, once=False):
+        measured.append(seconds)
+        return costs_verify(n, S, seconds, once=once)
+    spec.drafts, spec.backoff.verify_step = slow_drafts, spy
+    fast.runner.costs.verify_step = costs_spy
+    try:
+        _run(fast, [GenerateRequest(list(PROMPTS[0]), SamplingParams(),
+                                    StopParams(max_new_tokens=48, ignore_eos=True),
+                                    OutputParams())])
+    finally:
+        fast.stop()
+    assert charged and len(charged) == len(measured)  # (the prompt repeats: drafts were used)
+    assert all(c >= slow for c in charged)
+    assert all(m < slow for m in measured)
