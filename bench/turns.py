@@ -47,10 +47,12 @@ class RunnerProcess:
         env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"]),
                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1"}
-        if spec.get("runner") == "llamacpp":  # its OpenMP threads block instead of spinning:
-            # spinning at a barrier on a loaded 2-core machine halved its tok/s (130 vs 262
-            # tok/s, bench-6m, batch 1)
-            env["OMP_WAIT_POLICY"] = "PASSIVE"
+        # llama.cpp's OpenMP threads keep their default wait policy (what its users get: they
+        # spin a while at a barrier, then sleep). Forced to block (OMP_WAIT_POLICY=PASSIVE),
+        # as the bench did before 2026-12-02, the default trained model at batch 1 on 2
+        # threads ran at 219 tok/s against 2,465 by default (2,616 ACTIVE; batch 8: 1,094 vs
+        # 3,350): each op's barrier became a sleep and a wake-up.
+        env.pop("OMP_WAIT_POLICY", None)
         self.name, self.log_path = name, log_path
         self.err = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvserve.bench.runners",
