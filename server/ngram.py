@@ -34,15 +34,19 @@ from collections.abc import Iterable
 import numpy as np
 
 
-MAX_N = 8  # the longest n-gram looked up (vLLM's prompt_lookup_max examples use 4). The
-# matched length says how far a draft can be trusted: on the default trained model's greedy
-# continuations of 16 held-out files, a draft's first token was right 39% of the time after a
-# 1-token match, 53% after 2, 63-67% after 3 to 7 and 95% after 8 (a loop), so the speculator
-# estimates acceptance per matched length (``AdaptiveK``); 8 separates loops from echoes
-MIN_N = 1  # the last resort: a single-token match (often wrong, but a short draft costs little
-# where a step is cheap, and the draft length follows its acceptance: ``AdaptiveK``). Replayed
-# on the default trained model's greedy continuations of 16 held-out files with the step costs
-# measured at batch 1, min_n 1 made 2.21 tokens a step against 1.96 for min_n 2
+LENGTHS = (1, 2, 3, 8)  # the n-gram lengths looked up, longest first. The matched length
+# says how far a draft can be trusted: on the default trained model's greedy continuations of
+# 16 held-out files, a draft's first token was right 39% of the time after a 1-token match,
+# 53% after 2, 63-67% after 3 to 7 and 95% after 8 (a loop), so the speculator estimates
+# acceptance per matched length (``AdaptiveK``): 8 separates loops from echoes, and 4 to 7
+# drafted no better than 3. Replayed (``bench/spec_replay``, onnxruntime's costs at batch 1,
+# the engine's, onnxruntime's at batch 8): 1.714x / 1.629x / 1.186x with these four lengths,
+# 1.708x / 1.616x / 1.184x with all of 1 .. 8, which index twice the n-grams per token (a
+# dict write each: 12 us a token for 8 lengths in the live engine at batch 8, where the dicts
+# are cold after each model call). 1 is the last resort: a single-token match is often wrong,
+# but a short draft costs little where a step is cheap, and the draft length follows its
+# acceptance; replayed at batch 1, a shortest length of 1 made 2.21 tokens a step against
+# 1.96 for 2
 MAX_K = 16  # an upper bound on a draft's length (every numeric field has one)
 _MUL = 0x9E3779B97F4A7C15  # the keys' multiplier (odd: a bijection mod 2^64)
 _MASK = (1 << 64) - 1
@@ -55,16 +59,19 @@ class NgramIndex:
     """The n-gram index of one sequence: ``extend`` it with the prompt, ``append`` each
     accepted token, and ask ``propose(k)`` before a step."""
 
-    def __init__(self, tokens: Iterable[int] = (), min_n: int = MIN_N, max_n: int = MAX_N):
-        if not 1 <= min_n <= max_n <= 64:
-            raise ValueError(f"need 1 <= min_n <= max_n <= 64, got min_n={min_n} max_n={max_n}")
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, tokens: Iterable[int] = (), lengths: Iterable[int] = LENGTHS):
+        self.lengths = tuple(sorted(set(lengths)))
+        if not self.lengths or self.lengths[0] < 1 or self.lengths[-1] > 64:
+            raise ValueError(f"n-gram lengths must be in [1, 64], got {self.lengths}")
         self.tokens: list[int] = []
         self.matched = 0  # the n-gram length the last proposal matched (0: none)
-        # per n (index n - min_n): hash of the n-gram's tuple -> end (exclusive) of its most
-        # recent occurrence that has a following token, i.e. an occurrence ending before
-        # len(tokens)
-        self._last: list[dict[int, int]] = [{} for _ in range(max_n - min_n + 1)]
+        # per length: an n-gram's key -> end (exclusive) of its most recent occurrence that
+        # has a following token, i.e. an occurrence ending before len(tokens)
+        self._last: list[dict[int, int]] = [{} for _ in self.lengths]
+        self._top = self.lengths[-1]
+        self._table: list[dict[int, int] | None] = [None] * (self._top + 1)  # n -> its dict
+        for n, table in zip(self.lengths, self._last):
+            self._table[n] = table
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -77,25 +84,24 @@ class NgramIndex:
 
     def extend(self, tokens: Iterable[int]) -> None:
         """More tokens of the sequence. A step's few tokens: per token, the keys of the
-        n-grams ending before it, one multiply-xor and one dict write per n. More (a prompt):
-        per n, the keys of all its n-grams at once in numpy and one ``dict.update`` (the
-        speculator builds it at the first lookup, after the request's first token, 1,024
-        prompt tokens a step)."""
+        n-grams ending before it, one multiply-xor per n up to the longest length and one
+        dict write per length. More (a prompt): per n, the keys of all its n-grams at once in
+        numpy and one ``dict.update`` per length (the speculator builds it at the first
+        lookup, after the request's first token, 1,024 prompt tokens a step)."""
         t = self.tokens
         old = len(t)
         t.extend(map(int, tokens))
         L = len(t)
-        lo, tables = self.min_n, self._last
+        tables, top = self._table, self._top
         if L - old <= _FEW:
             for e in range(old, L):  # the n-grams that end at e gained a follower
                 h, j = 0, e
-                for n in range(1, self.max_n + 1):
+                for n in range(1, min(top, e) + 1):
                     j -= 1
-                    if j < 0:
-                        break
                     h = (h * _MUL ^ t[j]) & _MASK  # the key of t[e - n:e]
-                    if n >= lo:
-                        tables[n - lo][h] = e
+                    table = tables[n]
+                    if table is not None:
+                        table[h] = e
             return
         e0 = max(old, 1)  # the n-grams that end at e0 .. L-1 gained a follower
         if e0 >= L:
@@ -103,12 +109,13 @@ class NgramIndex:
         arr = np.asarray(t, np.uint64)
         start = e0  # h: the keys of the (n - 1)-grams ending at start .. L-1
         h = np.zeros(L - e0, np.uint64)
-        for n in range(1, min(self.max_n, L) + 1):
+        for n in range(1, min(top, L) + 1):
             a = max(e0, n)  # (an n-gram ends at n at the earliest)
             h = h[a - start:] * _MUL_U64 ^ arr[a - n:L - n]
             start = a
-            if n >= lo:  # (the most recent occurrence wins: later keys overwrite earlier)
-                tables[n - lo].update(zip(h.tolist(), range(a, L)))
+            table = tables[n]
+            if table is not None:  # (the most recent occurrence wins: later keys overwrite)
+                table.update(zip(h.tolist(), range(a, L)))
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` draft tokens (fewer or none when nothing matches); ``matched`` says
@@ -119,12 +126,14 @@ class NgramIndex:
         k = min(k, MAX_K)
         t = self.tokens
         L = len(t)
-        keys, h = [], 0  # the keys of the sequence's last 1 .. max_n tokens
-        for j in range(L - 1, max(L - self.max_n, 0) - 1, -1):
+        keys, h = [0], 0  # keys[n]: the key of the sequence's last n tokens
+        for j in range(L - 1, max(L - self._top, 0) - 1, -1):
             h = (h * _MUL ^ t[j]) & _MASK
             keys.append(h)
-        for n in range(len(keys), self.min_n - 1, -1):
-            e = self._last[n - self.min_n].get(keys[n - 1])
+        for n in reversed(self.lengths):
+            if n >= len(keys):
+                continue
+            e = self._table[n].get(keys[n])
             if e is None:
                 continue
             draft = t[e:e + k]  # up to the sequence's end ...
@@ -136,10 +145,10 @@ class NgramIndex:
         return []
 
 
-def propose(tokens: list[int], k: int, min_n: int = MIN_N, max_n: int = MAX_N) -> list[int]:
+def propose(tokens: list[int], k: int, lengths: Iterable[int] = LENGTHS) -> list[int]:
     """The same proposal without an index (a scan: tests and one-off use)."""
     L = len(tokens)
-    for n in range(max_n, min_n - 1, -1):
+    for n in sorted(set(lengths), reverse=True):
         if L < n + 1 or k <= 0:
             continue
         tail = tokens[L - n:]

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from kvserve.server.ngram import MAX_K, MAX_N, AdaptiveK, NgramIndex, best_positions, expected, propose
+from kvserve.server.ngram import (LENGTHS, MAX_K, AdaptiveK, NgramIndex, best_positions,
+                                   expected, propose)
 
 
 @pytest.mark.parametrize("tokens,k,want", [
@@ -17,7 +18,7 @@ from kvserve.server.ngram import MAX_K, MAX_N, AdaptiveK, NgramIndex, best_posit
     ([1, 2, 3, 4, 5, 6, 7, 3, 4], 8, [5, 6, 7, 3, 4, 5, 6, 7]),  # runs on through the copy
     # the most recent earlier occurrence wins: (1, 2) at 0 -> 9, at 3 -> 8
     ([1, 2, 9, 1, 2, 8, 0, 1, 2], 1, [8]),
-    # the longest n wins: 4-gram (5, 1, 2, 3) -> 7, although (2, 3) -> 6 is more recent
+    # the longest n wins: the 3-gram (1, 2, 3) -> 7, although (2, 3) -> 6 is more recent
     ([5, 1, 2, 3, 7, 0, 2, 3, 6, 4, 5, 1, 2, 3], 2, [7, 0]),
     # a loop of period 3: the draft continues the loop past the end
     ([7, 8, 9, 7, 8, 9, 7, 8], 5, [9, 7, 8, 9, 7]),
@@ -33,32 +34,42 @@ def test_exact_proposals(tokens, k, want):
     assert propose(tokens, k) == want
 
 
-def test_min_n_one_matches_a_single_token():
-    assert NgramIndex([5, 6, 7, 5], min_n=1).propose(2) == [6, 7]
-    assert NgramIndex([5, 6, 7, 5], min_n=2).propose(2) == []
+def test_a_length_of_one_matches_a_single_token():
+    assert NgramIndex([5, 6, 7, 5], lengths=(1, 2)).propose(2) == [6, 7]
+    assert NgramIndex([5, 6, 7, 5], lengths=(2, 3)).propose(2) == []
+
+
+def test_only_the_lengths_asked_for_are_matched():
+    """A 5-token repeat is matched at 3 when the lengths are 1, 2, 3 and 8 (the default), and
+    its draft is the most recent 3-gram's continuation; with 5 among them, the 5-gram's."""
+    seq = [1, 2, 3, 4, 5, 60, 9, 3, 4, 5, 70, 1, 2, 3, 4, 5]
+    assert LENGTHS == (1, 2, 3, 8)
+    idx = NgramIndex(seq)
+    assert idx.propose(1) == [70] and idx.matched == 3
+    five = NgramIndex(seq, lengths=(1, 5))
+    assert five.propose(1) == [60] and five.matched == 5
+    assert propose(seq, 1) == [70] and propose(seq, 1, (1, 5)) == [60]
 
 
 def test_the_draft_is_capped():
     assert len(NgramIndex([1] * 50).propose(1000)) == MAX_K
 
 
-def test_bad_n_range_is_refused():
-    with pytest.raises(ValueError, match="min_n"):
-        NgramIndex(min_n=3, max_n=2)
-    with pytest.raises(ValueError, match="min_n"):
-        NgramIndex(min_n=0)
+def test_bad_lengths_are_refused():
+    for bad in ((), (0, 2), (3, 65)):
+        with pytest.raises(ValueError, match="lengths"):
+            NgramIndex(lengths=bad)
 
 
 def test_incremental_index_equals_a_rescan():
     """Random low-entropy sequences (many repeats), the index fed token by token: after every
-    token its proposal equals the scan's, for several (min_n, max_n, k)."""
+    token its proposal equals the scan's, for several sets of lengths and k."""
     rnd = random.Random(5)
     checked = matched = 0
     for trial in range(60):
         vocab = rnd.choice([3, 5, 20])
-        min_n = rnd.choice([1, 2])
-        max_n = min_n + rnd.choice([0, 1, 3])
-        idx = NgramIndex(min_n=min_n, max_n=max_n)
+        lengths = rnd.choice([(1,), (2,), (1, 2), (1, 2, 3, 4), (2, 5), LENGTHS])
+        idx = NgramIndex(lengths=lengths)
         seq: list[int] = []
         for _ in range(120):
             tok = rnd.randrange(vocab)
@@ -66,7 +77,7 @@ def test_incremental_index_equals_a_rescan():
             idx.append(tok)
             k = rnd.choice([1, 3, 7])
             got = idx.propose(k)
-            assert got == propose(seq, k, min_n, max_n), (trial, seq, k)
+            assert got == propose(seq, k, lengths), (trial, seq, k)
             checked += 1
             matched += bool(got)
     assert checked == 7200 and matched > 3000  # the sequences did repeat
@@ -87,9 +98,8 @@ def test_bulk_extend_equals_token_by_token():
     rnd = random.Random(11)
     for trial in range(40):
         vocab = rnd.choice([2, 4, 30, 262_144])  # (large ids: the keys wrap mod 2^64)
-        min_n = rnd.choice([1, 2, 3])
-        max_n = min_n + rnd.choice([0, 2])
-        bulk, seq = NgramIndex(min_n=min_n, max_n=max_n), []
+        lengths = rnd.choice([(1,), (3,), (1, 2, 3), (3, 4, 5), (2, 6), LENGTHS])
+        bulk, seq = NgramIndex(lengths=lengths), []
         while len(seq) < 300:
             chunk = [rnd.randrange(vocab) for _ in range(rnd.choice([0, 1, 2, 3, 9, 40]))]
             bulk.extend(chunk)
@@ -97,9 +107,9 @@ def test_bulk_extend_equals_token_by_token():
             # the definition: per n, each n-gram (by its key) -> the end of its latest
             # occurrence that has a follower
             assert bulk._last == [{_key(seq[e - n:e]): e for e in range(n, len(seq))}
-                                  for n in range(min_n, max_n + 1)], trial
+                                  for n in lengths], trial
             for k in (1, 4, 9):
-                assert bulk.propose(k) == propose(seq, k, min_n, max_n)
+                assert bulk.propose(k) == propose(seq, k, lengths)
 
 
 def test_per_call_cost_at_4k_tokens():
@@ -153,7 +163,7 @@ def test_a_proposal_says_how_long_a_match_it_follows():
     assert NgramIndex([1, 2] * 10).matched == 0  # (before any proposal)
     loop = NgramIndex([1, 2] * 10)
     loop.propose(3)
-    assert loop.matched == MAX_N  # a loop matches the longest n looked up
+    assert loop.matched == LENGTHS[-1]  # a loop matches the longest n looked up
 
 
 def test_expected_tokens_of_a_draft():
