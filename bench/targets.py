@@ -124,11 +124,13 @@ def _grpc(key: str, size: dict) -> list[dict]:
                 0.9, [GRPC_ONE], f"{fmt(grpc['single_tok_s'])} vs {fmt(g1)} tok/s"
                 f"{per_round(size, 'grpc', 'genai', '1x128')}"),
         _target(key, f"gRPC {streams} streams ≥ 0.9× onnxruntime-genai batch {streams}", rb,
-                0.9, [f"the engine's own batch-{streams} step (in-process it ran at 0.86-0.95× "
-                      f"genai's; its graph's step is 1.08-1.10× genai's in plain onnxruntime), "
-                      f"and the client process (~0.12 core) and the servicer threads (~0.08) on "
-                      f"the same 2 cores as onnxruntime's two threads; one event loop instead of "
-                      f"a thread per stream changed nothing (bench/results/profile-findings.md)"],
+                0.9, [f"the {streams} calls' intake: gRPC's synchronous server takes one new "
+                      f"call at a time (its poll thread, then a handler thread), on the same 2 "
+                      f"cores as onnxruntime's two threads and the client: {streams} one-token "
+                      f"streams took 30-40 ms where the in-process engine answers them in ~7 ms, "
+                      f"and the batch reached {streams} rows 20-32 ms into a ~150 ms cell; the "
+                      f"engine's own batch-{streams} step; one event loop instead of a thread "
+                      f"per stream changed nothing (bench/results/profile-findings.md)"],
                 f"{fmt(grpc.get('concurrent_tok_s'))} vs {fmt(gb)} tok/s"
                 f"{per_round(size, 'grpc', 'genai', f'{streams}x128')}")]
 
