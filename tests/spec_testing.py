@@ -77,7 +77,7 @@ def check_greedy_speculation(lm, prompt: list[int], steps: int, k: int = 4) -> l
         logits, _ = lm.decode(pk, 1, [want[-1]])
         want.append(int(np.argmax(logits[0])))
     got = [want[0]]
-    index = NgramIndex(prompt + got, min_n=1)
+    index = NgramIndex(prompt + got)  # (lengths 1, 2, 3, 8: a single-token match drafts too)
     while len(got) < steps:
         draft = index.propose(k)
         used = int(kv.used[0])
