@@ -22,8 +22,17 @@ layers and all blocks:
   slot only (its next rows are prefilled right after).
 
 ``NumpyPrefixPool`` is the same for the portable runner's host buffers (numpy copies).
+
+On the host the pool's pages are resident only once written, and the first write into a page
+costs a page fault: a 63-block save into never-written blocks took ~1.3 ms on the 6M bench
+model against 0.16 ms into blocks written before. ``touch`` writes zeros into free blocks
+ahead of use (``PrefixCache.warm``, when the engine is idle), so that a save in the middle of
+serving finds its pages resident; on a device (CUDA) the pool is committed when allocated and
+``lazy`` is False.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -47,10 +56,27 @@ class _PoolBase:
         self.cfg, self.n_blocks, self.block_tokens = cfg, n_blocks, block_tokens
         self.block_bytes = block_bytes(cfg, block_tokens, itemsize)
 
+    lazy = True  # host memory: a page is resident once written (``touch``)
+
     @property
     def nbytes(self) -> int:
         """The pool's memory (allocated once: the gauge ``kvserve_prefix_cache_bytes``)."""
         return self.n_blocks * self.block_bytes
+
+    def touch(self, blocks: list[int]) -> None:
+        """Write zeros into ``blocks`` (free ones: their rows are lost), so that their pages are
+        resident before a save needs them."""
+        ids = sorted(set(blocks))
+        if ids and not 0 <= ids[0] <= ids[-1] < self.n_blocks:
+            raise ValueError(f"blocks out of range: {ids[0]} .. {ids[-1]} of {self.n_blocks}")
+        lo = 0
+        for i in range(1, len(ids) + 1):  # runs of consecutive ids: one write per tensor each
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                self._zero(ids[lo], ids[i - 1] + 1)
+                lo = i
+
+    def _zero(self, first: int, end: int) -> None:
+        raise NotImplementedError
 
     def _check_save(self, kv, slot: int, slot_blocks, pool_blocks) -> None:
         if len(slot_blocks) != len(pool_blocks):
@@ -73,10 +99,12 @@ class FusedPrefixPool(_PoolBase):
         import onnxruntime as ort  # (the server's install has it; imported where used)
 
         self.device, self.dtype = lm.device, lm.ops.dtype
+        self.lazy = self.device == "cpu"  # (device memory is committed when allocated)
         cfg = lm.cfg
         shape = (n_blocks, cfg.n_kv_heads, block_tokens, cfg.head_dim)
         self.k = [lm.ops.allocate(shape) for _ in range(cfg.n_layers)]
         self.v = [lm.ops.allocate(shape) for _ in range(cfg.n_layers)]
+        self._tensor_block = cfg.n_kv_heads * block_tokens * cfg.head_dim * self.dtype.itemsize
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.intra_op_num_threads = 1
@@ -115,6 +143,13 @@ class FusedPrefixPool(_PoolBase):
 
     def _pairs(self, kv):
         return [*zip(kv.k, self.k), *zip(kv.v, self.v)]
+
+    def _zero(self, first: int, end: int) -> None:
+        if not self.lazy:
+            return
+        step = self._tensor_block  # bytes of one block in one (n_blocks, ...) tensor
+        for t in (*self.k, *self.v):
+            ctypes.memset(t.data_ptr() + first * step, 0, (end - first) * step)
 
     def save(self, kv, slot: int, slot_blocks: list[int], pool_blocks: list[int]) -> None:
         """Copy the slot's row blocks ``slot_blocks`` (block j = rows [j*bt, (j+1)*bt)) into
@@ -203,6 +238,10 @@ class NumpyPrefixPool(_PoolBase):
         shape = (n_blocks, cfg.n_kv_heads, block_tokens, cfg.head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(cfg.n_layers)]
+
+    def _zero(self, first: int, end: int) -> None:
+        for pool in (*self.k, *self.v):
+            pool[first:end] = 0
 
     def save(self, kv, slot: int, slot_blocks: list[int], pool_blocks: list[int]) -> None:
         self._check_save(kv, slot, slot_blocks, pool_blocks)

@@ -15,8 +15,9 @@ Each loop iteration:
   4. retire finished / cancelled / expired sequences, compacting slots with the cache's
      ``move``; so a leaving sequence frees its slot within one step;
   5. advance each Score job by one model call.
-With nothing to do, the engine copies the rows free slots kept into the prefix cache (after
-``SAVE_WHEN_IDLE_AFTER`` without a new request: ``ModelRunner.unsaved``), then waits.
+With nothing to do, the engine copies the rows free slots kept into the prefix cache and makes
+the pool's next blocks resident (after ``SAVE_WHEN_IDLE_AFTER`` without a new request, a piece
+at a time: ``ModelRunner.idle_work``), then waits.
 A resumed request (``server.resume``: it carries the tokens an earlier call delivered) is
 brought to where that call left off at admission, and its prefill feeds prompt + those tokens.
 No request waits for another to finish: a new request joins at the next iteration.
@@ -240,23 +241,27 @@ class Engine:
                  "%d)", self.max_batch, self.max_queue, self.chunk_tokens,
                  max(self.chunk_tokens, self.sched.prefill_chunk_tokens))
         sched = self.sched
+        settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise
         while True:
-            save = False
+            idle = False
             with self._cond:
-                if self._idle() and self.runner.unsaved:  # a next request first (a chat's
+                if self._idle() and self.runner.idle_work:  # a next request first (a chat's
                     # next turn takes its slot's rows over: nothing to copy before it)
-                    self._cond.wait(SAVE_WHEN_IDLE_AFTER)
-                    save = self._idle()
-                while not save and self._idle():
+                    if not settled:
+                        self._cond.wait(SAVE_WHEN_IDLE_AFTER)
+                    idle = self._idle()
+                while not idle and self._idle():
                     self._cond.wait()
                 if self._stop:
                     break
-                admit = [] if save else sched.take_admissions()
+                admit = [] if idle else sched.take_admissions()
                 if self._queued != len(sched.waiting):
                     self._queued = len(sched.waiting)
                     self.metrics.queue_depth(self._queued)
-            if save:  # nothing else to do: the rows free slots kept go into the prefix cache
-                self._guarded(self.runner.save_unsaved, [])
+            settled = idle
+            if idle:  # nothing else to do: the rows free slots kept go into the prefix cache,
+                # then the pool's next blocks are made resident, a piece at a time
+                self._guarded(self.runner.idle_step, [])
             else:
                 self._guarded(lambda: self._iteration(admit), admit)
         self._shut_down()

@@ -105,3 +105,28 @@ def test_block_size_must_divide_the_capacity_chunk(lm):
 def test_restored_prefix_equals_prefilling_the_whole_prompt(lm):
     worst = max(check_prefix_restore(lm, LOGIT_TOL, seed) for seed in range(2))
     print(f"{lm.kind}: restored prefix vs whole prefill, max relative |Δlogit| {worst:.2e}")
+
+
+def test_touch_zeroes_exactly_the_blocks_asked_for(lm):
+    """``touch`` (the prefix cache's warming of free blocks) writes zeros into those blocks of
+    every layer's K and V and nothing else: saved blocks around them keep their rows bit for
+    bit; out-of-range blocks are refused."""
+    cfg = lm.cfg
+    pool = make_prefix_pool(lm, 12 * block_bytes(cfg, BT, 4), BT)
+    assert pool.lazy  # (host memory on the CPU provider)
+    kv = lm.new_cache(1)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 64).tolist()
+    lm.prefill(kv, 0, [ids], last=True)  # 4 full blocks
+    pool.save(kv, 0, [0, 1, 2, 3], [2, 5, 6, 11])
+    kept = {b: [pool.block_rows(layer, b) for layer in range(cfg.n_layers)]
+            for b in (2, 5, 6, 11)}
+    pool.touch([3, 4, 7, 8, 9, 10, 0])  # runs 0, 3-4 and 7-10, around the saved blocks
+    for layer in range(cfg.n_layers):
+        for b in (0, 3, 4, 7, 8, 9, 10):
+            k, v = pool.block_rows(layer, b)
+            assert not k.any() and not v.any()
+        for b, rows in kept.items():
+            k, v = pool.block_rows(layer, b)
+            assert np.array_equal(k, rows[layer][0]) and np.array_equal(v, rows[layer][1])
+    with pytest.raises(ValueError, match="out of range"):
+        pool.touch([11, 12])

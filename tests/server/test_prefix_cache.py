@@ -200,3 +200,41 @@ def test_shared_blocks_counts_whole_blocks_from_the_start():
     assert shared_blocks(a, a[:16] + [0] + a[17:]) == 1
     assert shared_blocks(a, [99] + a[1:]) == 0
     assert shared_blocks(a, a, block_tokens=8) == 5
+
+
+def test_warming_writes_only_the_free_blocks_handed_out_next(monkeypatch):
+    """``warm`` writes the never-used blocks ahead of use (their pages resident before a save
+    needs them), a chunk a call, never a cached block: every cached prefix restores its own
+    rows afterwards; a take moves the window on, and warming resumes."""
+    import kvserve.server.prefix_cache as PCM
+
+    monkeypatch.setattr(PCM, "WARM_AHEAD_TOKENS", 6 * BT)
+    monkeypatch.setattr(PCM, "WARM_CHUNK_BYTES", 4 * block_bytes(CFG, BT, 4))
+    cache, kv = new_cache(16), KVBuffers(CFG, 1)
+    touched: list[list[int]] = []
+    touch = cache.pool.touch
+    cache.pool.touch = lambda blocks: (touched.append(sorted(blocks)), touch(blocks))[1]
+    prompts = [list(range(100, 148)), list(range(300, 333))]  # 3 and 2 blocks cached
+    for p in prompts:
+        serve(cache, kv, p)
+    assert cache.warm_pending
+    assert cache.warm() == 4 and cache.warm_pending  # a chunk, then the rest of the window
+    assert cache.warm() == 2 and not cache.warm_pending
+    assert cache.warm() == 0
+    assert touched == [[5, 6, 7, 8], [9, 10]]  # the next 6 free ones, none of the 5 cached
+    for i in range(CFG.n_layers):
+        assert not cache.pool.k[i][5:11].any() and not cache.pool.v[i][5:11].any()
+    for p in prompts:  # the cached rows are intact
+        assert serve(cache, kv, p) == (len(p) - 1) // BT * BT
+    serve(cache, kv, list(range(500, 517)))  # takes block 5: the window moves on by one
+    assert cache.warm_pending and cache.warm() == 1 and touched[-1] == [11]
+    cache.check()
+
+
+def test_a_device_pool_is_not_warmed():
+    """A pool whose memory is committed when allocated (``lazy`` False: CUDA) has nothing to
+    make resident."""
+    pool = NumpyPrefixPool(CFG, 8, BT)
+    pool.lazy = False
+    cache = PrefixCache(pool)
+    assert not cache.warm_pending and cache.warm() == 0

@@ -397,3 +397,35 @@ def test_the_backoff_charges_a_verification_with_the_drafting_before_it(lm):
     assert charged and len(charged) == len(measured)  # (the prompt repeats: drafts were used)
     assert all(c >= slow for c in charged)
     assert all(m < slow for m in measured)
+
+
+def test_an_idle_engine_makes_the_pools_next_blocks_resident(lm, monkeypatch):
+    """Idle, the engine writes the never-used pool blocks ahead of use (a piece at a time,
+    looking for requests in between), so that a prompt's insert later pays no page faults;
+    a request's insert takes blocks from among them, and the engine warms ahead again."""
+    import kvserve.server.engine as E
+    import kvserve.server.prefix_cache as PCM
+
+    monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 0.001)
+    monkeypatch.setattr(PCM, "WARM_CHUNK_BYTES", 1)  # (a block a piece: many pieces)
+    fast = _engine(lm, 1, 0)
+    prefix = fast.prefix
+    try:
+        deadline = time.monotonic() + 30
+        while prefix.warm_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        window = min(prefix._ahead, len(prefix._free))  # (this 1 MB pool: all its blocks)
+        assert not prefix.warm_pending and len(prefix._warm) == window > 1
+        ahead = set(prefix._warm)
+        _run(fast, [GenerateRequest(list(PROMPTS[5]), SamplingParams(),
+                                    StopParams(max_new_tokens=4, ignore_eos=True),
+                                    OutputParams())])
+        taken = set(prefix._blocks)
+        assert taken and taken <= ahead  # its blocks were written before it needed them
+        while prefix.warm_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not prefix.warm_pending
+        assert len(prefix._warm) == min(prefix._ahead, len(prefix._free))
+        assert not taken & prefix._warm
+    finally:
+        fast.stop()
