@@ -14,7 +14,8 @@ measured figure that says why where there is one.
 """
 from __future__ import annotations
 
-from .figures import fmt, get, paired, paired_speed, run_date, speed, speed_date, tok_s
+from .figures import (fmt, get, paired, paired_speed, per_round_speed, run_date, speed,
+                      speed_date, tok_s)
 from .targets import make_target
 
 PREFIX_REST = ("the second request still prefills its own tail after the 1,000 cached rows "
@@ -137,7 +138,8 @@ def _spec(key: str, size: dict) -> list[dict]:
                 paired_speed(size, "engine_on", peer, "spec", name, "decode_tok_s"), goal,
                 notes,
                 f"{fmt(on)} vs {fmt(speed(size, peer, 'spec', name, 'decode_tok_s'))} tok/s; "
-                f"{_acceptance(size, 'engine_on', B)}"))
+                f"{_acceptance(size, 'engine_on', B)}"
+                f"{per_round_speed(size, 'engine_on', peer, 'spec', name, 'decode_tok_s')}"))
     return out
 
 

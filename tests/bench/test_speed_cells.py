@@ -354,7 +354,7 @@ def test_speed_cells_of_an_earlier_run_are_marked_and_not_paired():
     """A runner a --speed-only run did not measure (llama.cpp, where it is not installed)
     keeps its cells, marked with the run they come from: its rounds pair with none of this
     run's, so a target takes the ratio of best figures and the table says so."""
-    from kvserve.bench.figures import paired_speed
+    from kvserve.bench.figures import paired_speed, per_round_speed
     from kvserve.bench.report_speed import spec_table
 
     def spec(turns):
@@ -369,6 +369,9 @@ def test_speed_cells_of_an_earlier_run_are_marked_and_not_paired():
     assert out["runners"]["llamacpp"]["speed_date"] == "d1"
     assert "speed_date" not in out["runners"]["engine_on"]
     assert paired_speed(out, "engine_on", "engine", "spec", "1", "decode_tok_s") == 2.0
+    assert per_round_speed(out, "engine_on", "engine", "spec", "1", "decode_tok_s") == \
+        "; per round 2.00/2.00"  # (the rounds' ratios, in order)
+    assert per_round_speed(out, "engine_on", "llamacpp", "spec", "1", "decode_tok_s") == ""
     # best over best (220 / 300), not the median of 200/50 and 220/300
     assert paired_speed(out, "engine_on", "llamacpp", "spec", "1",
                         "decode_tok_s") == pytest.approx(220 / 300)
