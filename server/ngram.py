@@ -9,10 +9,10 @@ matches wins (the longest match). When the continuation runs into the end of the
 tokens it has just proposed, so a loop of period p still gets a k-token draft (vLLM stops at
 the sequence's end).
 
-``NgramIndex`` keeps, per n, a dict n-gram key -> the position just after its most recent
-earlier occurrence, updated as tokens are appended (one dict write per n and token), so a
-proposal is at most ``max_n - min_n + 1`` dict lookups plus the k-token copy, whatever the
-context length: no rescan. An n-gram's key is an int, a polynomial hash of its tokens mod 2^64
+``NgramIndex`` keeps, per length looked up, a dict n-gram key -> the position just after its
+most recent earlier occurrence, updated as tokens are appended (one dict write per length and
+token), so a proposal is at most one dict lookup per length plus the k-token copy, whatever
+the context length: no rescan. An n-gram's key is an int, a polynomial hash of its tokens mod 2^64
 built from its last token backwards (key(t[e-n:e]) = key(t[e-n+1:e]) * M ^ t[e-n]), so the keys
 of the n-grams ending at a position come one from the other, one multiply-xor per n, and a
 prompt's keys are computed per n in numpy: a 1,000-token prompt's index took 0.58 ms where
@@ -65,13 +65,13 @@ class NgramIndex:
             raise ValueError(f"n-gram lengths must be in [1, 64], got {self.lengths}")
         self.tokens: list[int] = []
         self.matched = 0  # the n-gram length the last proposal matched (0: none)
-        # per length: an n-gram's key -> end (exclusive) of its most recent occurrence that
-        # has a following token, i.e. an occurrence ending before len(tokens)
-        self._last: list[dict[int, int]] = [{} for _ in self.lengths]
+        # n -> (for each length looked up) an n-gram's key -> end (exclusive) of its most
+        # recent occurrence that has a following token, i.e. an occurrence ending before
+        # len(tokens); None for the lengths between them
         self._top = self.lengths[-1]
-        self._table: list[dict[int, int] | None] = [None] * (self._top + 1)  # n -> its dict
-        for n, table in zip(self.lengths, self._last):
-            self._table[n] = table
+        self._table: list[dict[int, int] | None] = [None] * (self._top + 1)
+        for n in self.lengths:
+            self._table[n] = {}
         self.extend(tokens)
 
     def __len__(self) -> int:

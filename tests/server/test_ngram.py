@@ -106,8 +106,8 @@ def test_bulk_extend_equals_token_by_token():
             seq += chunk
             # the definition: per n, each n-gram (by its key) -> the end of its latest
             # occurrence that has a follower
-            assert bulk._last == [{_key(seq[e - n:e]): e for e in range(n, len(seq))}
-                                  for n in lengths], trial
+            assert [bulk._table[n] for n in lengths] == \
+                [{_key(seq[e - n:e]): e for e in range(n, len(seq))} for n in lengths], trial
             for k in (1, 4, 9):
                 assert bulk.propose(k) == propose(seq, k, lengths)
 
