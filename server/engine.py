@@ -358,13 +358,14 @@ class Engine:
         self.sched.reserve(seqs)
         self.runner.prefill(plain, attn)
 
-    def _left(self, slot: int, seq: Sequence, kept: bool) -> None:
-        """A finished sequence leaves ``slot``: its rows go to the prefix cache (the runner's
-        ``cache_tokens``), and its n-gram index is let go now, in the iteration it ended in
-        (freeing a 700-token one takes ~50 us; later it would fall into the next request's
-        admission, before that one's first token)."""
-        self.runner.cache_tokens(slot, seq, kept)
-        seq.drafting = None
+    def _left(self, leaving: list[tuple[int, Sequence, bool]]) -> None:
+        """Finished sequences leave their slots ((slot, seq, kept) each): their rows go to the
+        prefix cache (the runner's ``cache_tokens``), and their n-gram indexes are let go
+        now, in the iteration they ended in (freeing a 700-token one takes ~50 us; later it
+        would fall into the next request's admission, before that one's first token)."""
+        self.runner.cache_tokens(leaving)
+        for _, seq, _ in leaving:
+            seq.drafting = None
 
     def prefill_tokens(self) -> int:
         return self.sched.prefill_tokens()

@@ -120,11 +120,14 @@ class ModelRunner:
         lens = [min(len(s.prefill_ids), chunk) for s in group]
         active, kv = self.sched.active, self.sched.kv
         lo = len(active)  # the group takes the next free slots, in order
-        if self.slot_rows is not None:
-            for slot in range(lo, lo + len(group)):
-                self._take(kv, slot)
+        if self.slot_rows is not None:  # (the slots' rows that wait for the prefix cache go
+            slots = range(lo, lo + len(group))  # there first, in one copy)
+            self._save([slot for slot in slots if slot in self._unsaved])
+            for slot in slots:
+                self.slot_rows.take(kv, slot, 0)
         res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
+        prompts: list[tuple[int, Sequence]] = []  # cached together after the first tokens
         for b, (seq, n) in enumerate(zip(group, lens)):
             active.append(seq)
             ids = seq.prefill_ids
@@ -135,7 +138,7 @@ class ModelRunner:
                     continue
                 last = self._extend(lo + b, ids, n)
                 self.choose(seq, last, None)
-                self._cache_prompt(lo + b, seq)
+                prompts.append((lo + b, seq))
                 continue
             rows = None
             if attention:  # the last prompt token's attention over the prompt
@@ -144,7 +147,8 @@ class ModelRunner:
                         for h in seq.req.output.attention_heads]
             self.choose(seq, res.logits[b][-1], rows)
             if not attention:
-                self._cache_prompt(lo + b, seq)
+                prompts.append((lo + b, seq))
+        self._cache_prompts(prompts)
 
     def _prefill_cached(self, seq: Sequence, own: int | None = None) -> None:
         """One sequence: its prompt's longest cached prefix (the slot's own rows, or blocks
@@ -170,31 +174,38 @@ class ModelRunner:
         active.append(seq)
         last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
         self.choose(seq, last, None)
-        self._cache_prompt(slot, seq)
+        self._cache_prompts([(slot, seq)])
 
-    def _cache_prompt(self, slot: int, seq: Sequence) -> None:
-        """The prompt's rows into the prefix cache: after its first token was chosen (and its
-        caller woken), so the copy is not part of the time to first token; before the next
-        sequence of the same admission is prefilled, so that one finds them."""
-        if self.prefix is not None:
-            self.prefix.insert(self.sched.kv, slot, seq.prefill_ids)
+    def _cache_prompts(self, prompts: list[tuple[int, Sequence]]) -> None:
+        """The prompts' rows ((slot, sequence) each) into the prefix cache, one device copy
+        for all of a prefill group's: after their first tokens were chosen (and their callers
+        woken), so the copy is not part of the time to first token; before the next sequence
+        of the same admission is prefilled, so that one finds them (sequences of one group
+        share no first block: ``_split_cached``)."""
+        if self.prefix is not None and prompts:
+            self.prefix.insert_many(self.sched.kv, [(slot, seq.prefill_ids)
+                                                    for slot, seq in prompts])
 
-    def cache_tokens(self, slot: int, seq: Sequence, kept: bool = False) -> None:
-        """A leaving sequence's rows (prompt and generated tokens) into the prefix cache; its
-        slot keeps them too (``server.slot_rows``). ``kept``: no compaction move writes into
-        the slot, so the copy into the pool can wait (``unsaved``) until the engine has
-        nothing else to do, or a sequence is admitted into that slot: one that continues
-        these tokens (a chat's next turn) takes the rows over and caches its prompt, which
-        begins with them, after its first token, so the copy is not made before it."""
+    def cache_tokens(self, leaving: list[tuple[int, Sequence, bool]]) -> None:
+        """Leaving sequences' rows (prompt and generated tokens) into the prefix cache ((slot,
+        seq, kept) each: one device copy for those copied now); their slots keep them too
+        (``server.slot_rows``). ``kept``: no compaction move writes into the slot, so the copy
+        into the pool can wait (``unsaved``) until the engine has nothing else to do, or a
+        sequence is admitted into that slot: one that continues these tokens (a chat's next
+        turn) takes the rows over and caches its prompt, which begins with them, after its
+        first token, so the copy is not made before it."""
         if self.prefix is None:
             return
         kv = self.sched.kv
-        tokens = None if seq.forced else seq.tokens()  # (a prompt tail not fed: rows unknown)
-        if tokens is not None and not kept:
-            self.prefix.insert(kv, slot, tokens)
-        self.slot_rows.left(kv, slot, tokens)
-        if tokens is not None and kept:
-            self._unsaved[slot] = (kv, tokens)
+        rows = [(slot, None if seq.forced else seq.tokens(), kept)  # (a prompt tail not
+                for slot, seq, kept in leaving]  # fed: its rows are unknown)
+        now = [(slot, tokens) for slot, tokens, kept in rows if tokens is not None and not kept]
+        if now:
+            self.prefix.insert_many(kv, now)
+        for slot, tokens, kept in rows:
+            self.slot_rows.left(kv, slot, tokens)
+            if tokens is not None and kept:
+                self._unsaved[slot] = (kv, tokens)
 
     @property
     def unsaved(self) -> bool:
@@ -203,8 +214,7 @@ class ModelRunner:
 
     def save_unsaved(self) -> None:
         """Copy every free slot's rows that wait for it into the prefix cache."""
-        for slot in list(self._unsaved):
-            self._save(slot)
+        self._save(list(self._unsaved))
 
     @property
     def idle_work(self) -> bool:
@@ -221,19 +231,26 @@ class ModelRunner:
         elif self.prefix is not None:
             self.prefix.warm()
 
-    def _save(self, slot: int) -> None:
-        """The rows ``slot`` still retains of the tokens that wait for the prefix cache, into
-        it (a free slot: its ``used`` is 0 while they are copied)."""
-        kv, tokens = self._unsaved[slot]
-        rows = int(kv.retained[slot]) if kv is self.sched.kv else 0  # (a new cache: gone)
-        used = int(kv.used[slot])
+    def _save(self, slots: list[int]) -> None:
+        """The rows the free ``slots`` still retain of the tokens that wait for the prefix
+        cache, into it: one device copy (a free slot's ``used`` is 0, set to its rows while
+        they are copied)."""
+        kv, used, items = self.sched.kv, {}, []
         try:
-            if rows >= self.prefix.block_tokens:
-                kv.used[slot] = rows
-                self.prefix.insert(kv, slot, tokens[:rows])
+            for slot in slots:
+                was, tokens = self._unsaved[slot]
+                rows = int(kv.retained[slot]) if was is kv else 0  # (a new cache: gone)
+                if rows >= self.prefix.block_tokens:
+                    used[slot] = int(kv.used[slot])
+                    kv.used[slot] = rows
+                    items.append((slot, tokens[:rows]))
+            if items:
+                self.prefix.insert_many(kv, items)
         finally:  # (``unsaved`` is false only once the copy is done)
-            kv.used[slot] = used
-            del self._unsaved[slot]
+            for slot, n in used.items():
+                kv.used[slot] = n
+            for slot in slots:
+                del self._unsaved[slot]
 
     def _take(self, kv, slot: int, rows: int = 0) -> None:
         """A sequence is admitted into ``slot``, taking over the first ``rows`` rows it
@@ -247,7 +264,7 @@ class ModelRunner:
             if rows >= whole and waiting[0] is kv:
                 del self._unsaved[slot]
             else:
-                self._save(slot)
+                self._save([slot])
         self.slot_rows.take(kv, slot, rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:

@@ -145,30 +145,38 @@ class PrefixCache:
         blocks not cached yet into the pool (one device copy). Blocks already cached are
         refreshed in the LRU order. When every block is referenced, fewer blocks (a shorter
         prefix) are cached. Returns the number of blocks copied."""
-        full = min(len(tokens), int(kv.used[slot])) // self.block_tokens
-        chain: list[int] = []  # this sequence's blocks, held while evicting for the new ones
-        slot_blocks: list[int] = []
+        return self.insert_many(kv, [(slot, tokens)])
+
+    def insert_many(self, kv, items) -> int:
+        """``insert`` for several (slot, tokens) at once: one device copy for all of their new
+        blocks (a batched prefill's prompts; the sequences leaving at one step). A block two
+        of them share is copied once, from the first."""
+        chain: list[int] = []  # their blocks, held while evicting for the new ones
+        blocks: list[tuple[int, int]] = []  # (slot, j) of each new block
         pool_blocks: list[int] = []
         try:
-            for j, (key, chunk) in enumerate(self._chain(tokens, full)):
-                bid = self._by_key.get(key)
-                if bid is not None and self._blocks[bid].tokens != chunk:
-                    break  # a hash collision: keep the cached block, stop here
-                if bid is None:
-                    bid = self._take()
+            for slot, tokens in items:
+                full = min(len(tokens), int(kv.used[slot])) // self.block_tokens
+                for j, (key, chunk) in enumerate(self._chain(tokens, full)):
+                    bid = self._by_key.get(key)
+                    if bid is not None and self._blocks[bid].tokens != chunk:
+                        break  # a hash collision: keep the cached block, stop here
                     if bid is None:
-                        break  # every block is in use
-                    self._blocks[bid] = _Block(key, chunk)
-                    self._by_key[key] = bid
-                    slot_blocks.append(j)
-                    pool_blocks.append(bid)
-                self._acquire(bid)
-                chain.append(bid)
-            self.pool.save(kv, slot, slot_blocks, pool_blocks)
+                        bid = self._take()
+                        if bid is None:
+                            break  # every block is in use
+                        self._blocks[bid] = _Block(key, chunk)
+                        self._by_key[key] = bid
+                        blocks.append((slot, j))
+                        pool_blocks.append(bid)
+                    self._acquire(bid)
+                    chain.append(bid)
+            self.pool.save(kv, blocks, pool_blocks)
         except BaseException:
+            new = set(pool_blocks)
             for bid in pool_blocks:  # the copy did not happen: forget the new entries
                 self._forget(bid)
-            chain = [b for b in chain if b not in set(pool_blocks)]
+            chain = [b for b in chain if b not in new]
             raise
         finally:
             self.release(chain)

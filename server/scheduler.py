@@ -33,9 +33,10 @@ class Scheduler:
         # the runner returns every row's)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.active: list[Sequence] = []  # active[i] lives in KV slot i
-        # called as on_leave(slot, seq, kept) before a finished sequence's slot is given up (the
-        # prefix cache keeps its rows); kept: no compaction move will write into the slot
-        self.on_leave: Callable[[int, Sequence, bool], None] | None = None
+        # called as on_leave([(slot, seq, kept), ...]) with the sequences finished at once,
+        # before their slots are given up (the prefix cache keeps their rows); kept: no
+        # compaction move will write into the slot
+        self.on_leave: Callable[[list[tuple[int, Sequence, bool]]], None] | None = None
         self.waiting: collections.deque[Sequence] = collections.deque()
 
     # --- the queue (under the engine's lock) ---------------------------------------------------
@@ -120,8 +121,7 @@ class Scheduler:
         gone = [i for i, s in enumerate(self.active) if s.done]
         if gone and self.on_leave is not None:
             stay = len(self.active) - len(gone)  # the moves below write into slots < stay only
-            for i in gone:
-                self.on_leave(i, self.active[i], i >= stay)
+            self.on_leave([(i, self.active[i], i >= stay) for i in gone])
         left = [self.active[i] for i in gone]
         for i in reversed(gone):  # highest first: the last slot is never one still to remove
             last = len(self.active) - 1

@@ -29,7 +29,7 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
     real = C.InferenceSession.run_with_iobinding
     monkeypatch.setattr(C.InferenceSession, "run_with_iobinding",
                         lambda self, b, *a: (runs.append(1), real(self, b, *a))[1])
-    pool.save(kv, 2, [0, 2, 3], [17, 4, 9])  # any slot blocks into any pool blocks
+    pool.save(kv, [(2, 0), (2, 2), (2, 3)], [17, 4, 9])  # any slot blocks, any pool blocks
     assert len(runs) == (1 if lm.kind == "fused" else 0)  # one run for all layers and blocks
     for layer in range(cfg.n_layers):
         k, v = kv.slot_rows(layer, 2) if lm.kind == "fused" else \
@@ -39,7 +39,7 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
             assert np.array_equal(pk, k[:, j * BT:(j + 1) * BT])
             assert np.array_equal(pv, v[:, j * BT:(j + 1) * BT])
     with pytest.raises(ValueError, match="block 4 is not filled"):
-        pool.save(kv, 2, [4], [0])
+        pool.save(kv, [(2, 4)], [0])
     kv.clear(0)
     runs.clear()
     beside = [[x.copy() for x in kv.slot_rows(layer, 1)] for layer in range(cfg.n_layers)] \
@@ -59,6 +59,36 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
                 assert a.shape[1] == 30 and np.array_equal(a, b)
     with pytest.raises(ValueError, match="empty slot"):
         pool.load(kv, 1, [0])
+
+
+def test_one_save_copies_blocks_of_several_slots(lm, monkeypatch):
+    """A save takes blocks of any slots in one run (a batched prefill's prompts, the
+    sequences that leave at one step): each pool block gets exactly its slot's rows, in the
+    order given, and the slots between them are not read into the wrong blocks."""
+    cfg = lm.cfg
+    pool = make_prefix_pool(lm, 12 * block_bytes(cfg, BT, 4), BT)
+    kv = lm.new_cache(4)
+    rng = np.random.default_rng(11)
+    for slot, n in ((0, 40), (1, 16), (3, 70)):  # slot 2 stays empty
+        lm.prefill(kv, slot, [rng.integers(0, cfg.vocab_size, n).tolist()], last=True)
+    runs = []
+    real = C.InferenceSession.run_with_iobinding
+    monkeypatch.setattr(C.InferenceSession, "run_with_iobinding",
+                        lambda self, b, *a: (runs.append(1), real(self, b, *a))[1])
+    blocks = [(3, 3), (0, 1), (1, 0), (3, 0), (0, 0)]
+    pool.save(kv, blocks, [7, 0, 11, 3, 5])
+    assert len(runs) == (1 if lm.kind == "fused" else 0)
+    for layer in range(cfg.n_layers):
+        for (slot, j), bid in zip(blocks, [7, 0, 11, 3, 5]):
+            k, v = kv.slot_rows(layer, slot) if lm.kind == "fused" else \
+                (kv.k[layer][slot, :, :kv.used[slot]], kv.v[layer][slot, :, :kv.used[slot]])
+            pk, pv = pool.block_rows(layer, bid)
+            assert np.array_equal(pk, k[:, j * BT:(j + 1) * BT])
+            assert np.array_equal(pv, v[:, j * BT:(j + 1) * BT])
+    for bad, match in (([(2, 0)], "slot 2 has 0 rows"), ([(1, 1)], "block 1 is not filled"),
+                       ([(9, 0)], "no block 0 of slot 9")):
+        with pytest.raises(ValueError, match=match):
+            pool.save(kv, bad, [1])
 
 
 def test_kept_copy_bindings_follow_slots_and_reallocated_buffers(lm):
@@ -84,7 +114,7 @@ def test_kept_copy_bindings_follow_slots_and_reallocated_buffers(lm):
             kv.clear(slot)
             lm.prefill(kv, slot, [rng.integers(0, cfg.vocab_size, 2 * BT).tolist()], last=True)
             bid = 3 * round_ + slot
-            pool.save(kv, slot, [1], [bid])
+            pool.save(kv, [(slot, 1)], [bid])
             want = [r[:, BT:2 * BT] for r in rows(slot, 2 * BT)]
             assert all(np.array_equal(a, b) for a, b in zip(block(bid), want))
             kv.clear(slot)
@@ -117,7 +147,7 @@ def test_touch_zeroes_exactly_the_blocks_asked_for(lm):
     kv = lm.new_cache(1)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, 64).tolist()
     lm.prefill(kv, 0, [ids], last=True)  # 4 full blocks
-    pool.save(kv, 0, [0, 1, 2, 3], [2, 5, 6, 11])
+    pool.save(kv, [(0, 0), (0, 1), (0, 2), (0, 3)], [2, 5, 6, 11])
     kept = {b: [pool.block_rows(layer, b) for layer in range(cfg.n_layers)]
             for b in (2, 5, 6, 11)}
     pool.touch([3, 4, 7, 8, 9, 10, 0])  # runs 0, 3-4 and 7-10, around the saved blocks

@@ -110,6 +110,41 @@ def test_insert_copies_only_new_blocks_and_generated_rows_count():
     cache.check()
 
 
+def test_insert_many_is_one_copy_and_a_shared_block_is_copied_once(monkeypatch):
+    """Several slots' tokens inserted together (a batched prefill's prompts, the sequences
+    leaving at one step): one device copy for all their new blocks; a block two of them share
+    (same prefix) is copied once, from the first; each restores its own rows. If the copy
+    fails, none of the new entries stays (a later match would restore rows never written)."""
+    cache, kv = new_cache(12), KVBuffers(CFG, 3)
+    a, b = list(range(40)), list(range(16)) + list(range(700, 740))  # b shares a's block 0
+    c = list(range(300, 333))
+    for slot, toks in enumerate((a, b, c)):
+        prefill(kv, slot, toks)
+    saves = []
+    real = cache.pool.save
+    monkeypatch.setattr(cache.pool, "save", lambda kv_, blocks, ids: (
+        saves.append(list(blocks)), real(kv_, blocks, ids))[1])
+    assert cache.insert_many(kv, [(0, a), (1, b), (2, c)]) == 2 + 2 + 2
+    assert saves == [[(0, 0), (0, 1), (1, 1), (1, 2), (2, 0), (2, 1)]]
+    for toks in (a, b, c):
+        blocks, n = cache.match(toks)
+        assert n == (len(toks) - 1) // BT * BT
+        kv.clear(0)
+        cache.restore(kv, 0, blocks)
+        cache.release(blocks)
+        assert_rows_of(kv, 0, toks)
+    cache.check()
+    monkeypatch.setattr(cache.pool, "save", lambda *a: (_ for _ in ()).throw(RuntimeError()))
+    before = cache.cached_blocks
+    d, e = list(range(900, 940)), list(range(960, 990))
+    prefill(kv, 1, d)
+    prefill(kv, 2, e)
+    with pytest.raises(RuntimeError):
+        cache.insert_many(kv, [(1, d), (2, e)])
+    assert cache.cached_blocks == before and cache.match(d) == ([], 0)
+    cache.check()
+
+
 def test_referenced_blocks_are_never_evicted():
     """A matched prefix stays while other requests fill the pool many times over; its rows
     are intact when restored afterwards. With every block referenced, insert caches less."""

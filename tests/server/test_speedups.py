@@ -305,13 +305,13 @@ def test_a_next_turn_takes_the_rows_before_they_are_copied(lm, monkeypatch):
 
     monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # no idle save during the test
     plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
-    inserts: list[int] = []
-    insert = fast.prefix.insert
+    inserts: list[int] = []  # (tokens of each sequence whose rows were copied)
+    insert = fast.prefix.insert_many
 
-    def spy(kv, slot, tokens):
-        inserts.append(len(tokens))
-        return insert(kv, slot, tokens)
-    fast.prefix.insert = spy
+    def spy(kv, items):
+        inserts.extend(len(tokens) for _, tokens in items)
+        return insert(kv, items)
+    fast.prefix.insert_many = spy
     try:
         def request(prompt):
             return GenerateRequest(list(prompt), SamplingParams(),
@@ -337,6 +337,38 @@ def test_a_next_turn_takes_the_rows_before_they_are_copied(lm, monkeypatch):
         fast.stop()
 
 
+def test_rows_cached_at_one_step_are_one_device_copy(lm):
+    """The prompts of a batched prefill go into the pool in one copy (after their first
+    tokens), and so do the rows of sequences that leave at the same step: two short requests
+    ending together beside two long ones, then the long ones (at the idle moment). The
+    tokens are the plain engine's, and the pool ends with every whole block of each."""
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    copies: list[list[int]] = []  # the slots of each device copy's blocks
+    save = fast.prefix.pool.save
+
+    def spy(kv, blocks, ids):
+        copies.append(sorted({slot for slot, _ in blocks}))
+        return save(kv, blocks, ids)
+    fast.prefix.pool.save = spy
+    try:
+        # (one block each: the four fit one prefill call of the test engine's 64 tokens)
+        prompts = [list(range(50 * i, 50 * i + 16)) for i in range(1, 5)]
+        reqs = [GenerateRequest(p, SamplingParams(), StopParams(max_new_tokens=n,
+                                                               ignore_eos=True), OutputParams())
+                for p, n in zip(prompts, (20, 20, 40, 40))]
+        got = _tokens(_run(fast, reqs))
+        assert got == _tokens(_run(plain, reqs))
+        _settled(fast)
+        assert copies == [[0, 1, 2, 3], [0, 1], [0, 1]]
+        fast.stop()  # (the test reads the pool: the engine's thread owns it)
+        for p, toks in zip(prompts, got):
+            rows = len(p) + len(toks) - 1  # (the last token was never fed)
+            assert _pool_covers(fast, p + toks) == rows // 16 * 16
+    finally:
+        plain.stop()
+        fast.stop()
+
+
 def test_rows_left_beside_decoding_sequences_are_copied_at_the_next_step(lm, monkeypatch):
     """A sequence that leaves the last slot while others go on decoding: no idle moment is
     coming, so its rows go into the pool at the next iteration, while the others decode."""
@@ -345,12 +377,12 @@ def test_rows_left_beside_decoding_sequences_are_copied_at_the_next_step(lm, mon
     monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # (an idle save would hide it)
     fast = _engine(lm, 64, 0)
     seen: list[tuple[int, int]] = []  # (tokens inserted, sequences active then)
-    insert = fast.prefix.insert
+    insert = fast.prefix.insert_many
 
-    def spy(kv, slot, tokens):
-        seen.append((len(tokens), len(fast.sched.active)))
-        return insert(kv, slot, tokens)
-    fast.prefix.insert = spy
+    def spy(kv, items):
+        seen.extend((len(tokens), len(fast.sched.active)) for _, tokens in items)
+        return insert(kv, items)
+    fast.prefix.insert_many = spy
     try:
         long_ = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
                                 StopParams(max_new_tokens=40, ignore_eos=True), OutputParams())
