@@ -235,7 +235,7 @@ class Client(_Base):
         UNAVAILABLE / RESOURCE_EXHAUSTED; once tokens were delivered, resumed where it was cut
         (``resume``: this call's choice, by default the client's). ``on_call(call)`` gets each
         attempt's gRPC call, so that another thread (or a signal handler's caller) can
-        ``cancel()`` it while this one waits for tokens."""
+        ``cancel()`` it while this one waits for tokens: the stream then raises CANCELLED."""
         rs = self._stream(prompt, resume, options)
         lp = rs.base.response.logprobs
         attempt = 0
@@ -253,6 +253,9 @@ class Client(_Base):
                     yield from events
                 return
             except grpc.RpcError as e:
+                if call.cancelled():  # the caller stopped it (``on_call``): neither retried
+                    # nor resumed, which would generate the answer again, unseen
+                    raise _wrap(e, attempt) from None
                 delay = self._retry_or_raise("Generate", e, attempt, stream=rs)
             except ResumeError as e:
                 raise KvserveError(grpc.StatusCode.DATA_LOSS, str(e), attempt) from None

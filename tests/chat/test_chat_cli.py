@@ -156,9 +156,12 @@ def test_chat_on_a_terminal(chat_app):
 def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
     env = {**os.environ, "KVSERVE_AUTH_TOKEN": TOKEN, "KVSERVE_LOG_LEVEL": "WARNING",
            "TERM": "dumb"}
-    # a long answer: 600 tokens (the chat test model's context is 1024)
+    # a long answer: 600 tokens (the chat test model's context is 1024), sampled: greedy, this
+    # random model loops and speculation makes the 600 tokens in ~50 ms, mostly done before a
+    # Ctrl-C typed at the first text reaches the server; sampled, it drafts little (~150 ms)
     p = Pty([sys.executable, "-m", "kvserve.cli", "chat", "--server",
-             f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "600", "--stats"], env)
+             f"127.0.0.1:{chat_app.port}", "--max-new-tokens", "600", "--temperature", "1.0",
+             "--seed", "7", "--stats"], env)
     try:
         p.expect(rb"you> ")
 
@@ -173,22 +176,27 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
             p.expect(rb"you> ")
 
         stopped, seen = False, []
-        for _ in range(5):  # an answer that ended before the Ctrl-C landed: again
-            before = chat_app.metrics.requests.get(rpc="Generate", outcome="cancelled")
+        for _ in range(10):  # an answer that ended before the Ctrl-C landed: again
             reset()
+            before = _generate_outcomes(chat_app)
             p.send(b"hello there\r")
             p.expect(rb"there\r?\n.")  # the echo, then the first text of the answer
             p.send(b"\x03")
             got = p.expect(rb"you> ")
-            seen.append(got[-300:])
-            if b"[stopped]" not in got:
+            if b"[stopped]" not in got:  # (the answer had ended: the Ctrl-C met the prompt)
+                seen.append((got[-120:], None))
                 continue
-            end = time.monotonic() + 60  # (a deadline on state: returns once it holds)
-            while not stopped and time.monotonic() < end:  # the server cancelled it
-                stopped = chat_app.metrics.requests.get(rpc="Generate",
-                                                        outcome="cancelled") > before
+            # how the server ended the request: cancelled, or done before the Ctrl-C reached it
+            end, ended = time.monotonic() + 60, {}  # (a deadline on state: returns once held)
+            while not ended and time.monotonic() < end:
+                now = _generate_outcomes(chat_app)
+                ended = {k: v - before.get(k, 0) for k, v in now.items()
+                         if v > before.get(k, 0)}
                 time.sleep(0.02)
-            if stopped:
+            seen.append((got[-120:], ended))
+            if "cancelled" in ended:  # and nothing else: the client did not resume it
+                assert ended == {"cancelled": 1.0}, seen
+                stopped = True
                 break
         assert stopped, f"Ctrl-C never stopped an answer that the server cancelled: {seen}"
         reset()  # (the stopped answer's history plus 600 new tokens could pass the context)
@@ -200,6 +208,13 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_app):
     finally:
         if p.proc.poll() is None:
             p.proc.kill()
+
+
+def _generate_outcomes(app) -> dict[str, float]:
+    """The server's Generate requests so far, by outcome (its Prometheus counter)."""
+    c = app.metrics.requests
+    return {s.labels["outcome"]: s.value for m in c.counter.collect() for s in m.samples
+            if s.name == c.sample_name and s.labels.get("rpc") == "Generate"}
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ tests/deploy/test_failover.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import grpc
 import pytest
@@ -131,3 +133,41 @@ def test_a_restarted_stream_is_checked_and_skipped(scripted):
     with pytest.raises(KvserveError) as e:
         _sync(scripted(Cuts([(5, RESET)], restart=True, wrong=True)))
     assert e.value.code is grpc.StatusCode.DATA_LOSS and "does not continue" in e.value.details
+
+
+class Slow(pb_grpc.InferenceServicer):
+    """Generate: 200 tokens, 10 ms apart (a stream still running when its caller stops it)."""
+
+    def __init__(self):
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Generate(self, request, context):  # noqa: N802
+        self.requests.append(request)
+        for i in range(len(request.resume.token_ids), 200):
+            if not context.is_active():
+                return
+            yield pb.GenerateResponse(chunk=pb.TokenChunk(index=i, id=100 + i, text="t"))
+            time.sleep(0.01)
+
+
+def test_a_stream_its_caller_cancels_ends_without_a_resume(scripted):
+    """A call cancelled through ``on_call`` (``kvserve chat``'s Ctrl-C, from another thread)
+    ends the stream with CANCELLED: it is not taken for a server's cancellation and resumed,
+    which would have the server generate the whole answer again, unseen, while the caller
+    waits for its end."""
+    svc, calls, got = Slow(), [], []
+    target = scripted(svc)
+
+    def cancel_soon():
+        while not got:
+            time.sleep(0.001)
+        calls[-1].cancel()
+    threading.Thread(target=cancel_soon, daemon=True).start()
+    t0 = time.monotonic()
+    with Client(target, retry=RetryPolicy(max_attempts=3, **FAST)) as c:
+        with pytest.raises(KvserveError) as e:
+            for ev in c.generate_stream("x", on_call=calls.append, temperature=0.7):
+                got.append(ev)
+    assert e.value.code is grpc.StatusCode.CANCELLED
+    assert len(svc.requests) == len(calls) == 1 and len(got) < 200
+    assert time.monotonic() - t0 < 1.5  # (200 tokens would take 2 s)
