@@ -3,6 +3,8 @@ its binary is installed) or by PyYAML with compose's interpolation of defaults, 
 template rendered like the nginx image's entrypoint does, free ports, process cleanup."""
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
@@ -11,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -149,3 +152,30 @@ def read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def nginx_prefix_and_processes():
+    """(nginx's prefix directory, the list of processes a cluster fixture starts): nginx as
+    root hands requests to unprivileged workers, so the prefix must be traversable, which
+    pytest's 0700 tmp dirs are not. At the end the processes get SIGTERM in reverse order
+    (nginx first, appended last, shuts down fast; then the replicas drain) and the prefix is
+    removed; the same happens at interpreter exit if the fixture's end never runs."""
+    prefix = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
+    prefix.chmod(0o755)
+    procs: list[subprocess.Popen] = []
+
+    def cleanup():
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(prefix, ignore_errors=True)
+
+    atexit.register(cleanup)
+    try:
+        yield prefix, procs
+    finally:
+        for p in reversed(procs):
+            stop_process(p, signal.SIGTERM, timeout=20)
+        shutil.rmtree(prefix, ignore_errors=True)
+        atexit.unregister(cleanup)

@@ -8,22 +8,20 @@ that were cut were resumed (the client's attempts show it).
 """
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from deploy_helpers import (NGINX_CONF, NGINX_TEMPLATE, REPO, compose_yaml, find_nginx,
-                            free_port, read_json, render_template, stop_process, wait_until)
+                            free_port, nginx_prefix_and_processes, read_json, render_template,
+                            wait_until)
 
 pytest.importorskip("torch")  # the test artifact is exported from a torch model
 grpc = pytest.importorskip("grpc")
@@ -93,18 +91,7 @@ def _nginx_conf(compose: dict, prefix: Path, ports: dict[str, int], lb_port: int
 def cluster(artifact, tmp_path):
     """Two fresh replicas and nginx (each test kills or drains one)."""
     compose = compose_yaml()
-    prefix = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))  # traversable for nginx workers
-    prefix.chmod(0o755)
-    procs: list[subprocess.Popen] = []
-
-    def cleanup():
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        shutil.rmtree(prefix, ignore_errors=True)
-
-    atexit.register(cleanup)
-    try:
+    with nginx_prefix_and_processes() as (prefix, procs):
         replicas = []
         for name in NAMES:
             port, log = free_port(), tmp_path / f"{name}.log"
@@ -131,11 +118,6 @@ def cluster(artifact, tmp_path):
         with Client(c.target, timeout=10) as probe:  # through nginx, to a replica
             wait_until(lambda: _reachable(probe), 20, what="nginx")
         yield c
-    finally:
-        for p in reversed(procs):
-            stop_process(p, signal.SIGTERM, timeout=20)
-        shutil.rmtree(prefix, ignore_errors=True)
-        atexit.unregister(cleanup)
 
 
 def _reachable(client: Client) -> bool:

@@ -16,14 +16,12 @@ and ports differ from the compose deployment):
 """
 from __future__ import annotations
 
-import atexit
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -32,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from deploy_helpers import (NGINX_CONF, NGINX_TEMPLATE, REPO, compose_yaml, find_nginx,
-                            free_port, read_json, render_template, stop_process, wait_until)
+                            free_port, nginx_prefix_and_processes, read_json, render_template,
+                            wait_until)
 
 torch = pytest.importorskip("torch")  # the test artifact is exported from a torch model
 grpc = pytest.importorskip("grpc")
@@ -145,20 +144,7 @@ def cluster(artifact, tmp_path_factory):
     compose = compose_yaml()
     names = ["server-1", "server-2"]
     work = tmp_path_factory.mktemp("deploy_cluster")
-    # nginx as root hands requests to unprivileged workers: the prefix must be traversable,
-    # which pytest's 0700 tmp dirs are not
-    prefix = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
-    prefix.chmod(0o755)
-    procs: list[subprocess.Popen] = []
-
-    def cleanup():  # if the interpreter exits without running the fixture's finally
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        shutil.rmtree(prefix, ignore_errors=True)
-
-    atexit.register(cleanup)
-    try:
+    with nginx_prefix_and_processes() as (prefix, procs):
         replicas = []
         for name in names:
             port, mport, hport = free_port(), free_port(), free_port()
@@ -201,12 +187,6 @@ def cluster(artifact, tmp_path_factory):
                 return False
         wait_until(lb_up, 20, what="nginx")
         yield c
-    finally:
-        # nginx first (fast shutdown), then the replicas (SIGTERM drains)
-        for p in reversed(procs):
-            stop_process(p, signal.SIGTERM, timeout=20)
-        shutil.rmtree(prefix, ignore_errors=True)
-        atexit.unregister(cleanup)
 
 
 @pytest.fixture(scope="module")
