@@ -124,7 +124,7 @@ class FusedPrefixPool(_PoolBase):
         # buffer generation, slot (loads)): a copy then binds its block indices only (binding
         # every tensor took ~105 us of a ~150 us copy of a few blocks on the 6M bench model);
         # those of an older generation are dropped (they point into freed buffers)
-        self._bindings: dict[tuple[str, int, int], object] = {}
+        self._bindings: dict[tuple[str, int, int | None], object] = {}
 
     def _binding(self, graph: str, kv, slot: int | None = None):
         """The kept binding of ``graph`` ("save": of all of ``kv``'s buffers; "load": of

@@ -120,11 +120,8 @@ class ModelRunner:
         lens = [min(len(s.prefill_ids), chunk) for s in group]
         active, kv = self.sched.active, self.sched.kv
         lo = len(active)  # the group takes the next free slots, in order
-        if self.slot_rows is not None:  # (the slots' rows that wait for the prefix cache go
-            slots = range(lo, lo + len(group))  # there first, in one copy)
-            self._save([slot for slot in slots if slot in self._unsaved])
-            for slot in slots:
-                self.slot_rows.take(kv, slot, 0)
+        if self.slot_rows is not None:
+            self._take(kv, range(lo, lo + len(group)))
         res = self.lm.prefill(kv, lo, [s.prefill_ids[:n] for s, n in zip(group, lens)],
                               attention=attention, last=True)  # (1, V) each: the last row
         prompts: list[tuple[int, Sequence]] = []  # cached together after the first tokens
@@ -161,10 +158,10 @@ class ModelRunner:
             if own is None:
                 own = self.slot_rows.match(kv, slot, seq.prefill_ids)
             if own > n:
-                self._take(kv, slot, own)
+                self._take(kv, [slot], own)
                 n = own
             else:
-                self._take(kv, slot)
+                self._take(kv, [slot])
                 if n:
                     self.prefix.restore(kv, slot, blocks)
         finally:
@@ -252,20 +249,24 @@ class ModelRunner:
             for slot in slots:
                 del self._unsaved[slot]
 
-    def _take(self, kv, slot: int, rows: int = 0) -> None:
-        """A sequence is admitted into ``slot``, taking over the first ``rows`` rows it
-        retains: the rows that wait for the prefix cache go there first, unless the ones
-        taken over hold all of their whole blocks (the sequence's prompt, cached after its
-        first token, begins with them)."""
-        waiting = self._unsaved.get(slot)
-        if waiting is not None:
-            bt = self.prefix.block_tokens
+    def _take(self, kv, slots, rows: int = 0) -> None:
+        """Sequences are admitted into ``slots``, each taking over the first ``rows`` rows its
+        slot retains: the rows that wait for the prefix cache go there first (one copy for
+        all the slots), unless the ones taken over hold all of their whole blocks (the
+        sequence's prompt, cached after its first token, begins with them)."""
+        bt, save = self.prefix.block_tokens, []
+        for slot in slots:
+            waiting = self._unsaved.get(slot)
+            if waiting is None:
+                continue
             whole = min(len(waiting[1]), int(kv.retained[slot])) // bt * bt
             if rows >= whole and waiting[0] is kv:
                 del self._unsaved[slot]
             else:
-                self._save([slot])
-        self.slot_rows.take(kv, slot, rows)
+                save.append(slot)
+        self._save(save)
+        for slot in slots:
+            self.slot_rows.take(kv, slot, rows)
 
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``
