@@ -165,17 +165,21 @@ def llamacpp_installed() -> bool:
 
 def llamacpp_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
     """llama.cpp's decode cells, batch 1 and 8 (its sequences in one context), on the same
-    weights as kvserve's fp32 (f32 GGUF) and, on 100M, int8 / int4 (q8_0 / q4_0)."""
+    weights as kvserve's fp32 (f32 GGUF) and, on 100M, int8 / int4 (q8_0 / q4_0); beside
+    them, at each precision, the floor of kvserve's kernels (``matmuls``: the artifact's
+    matrix products alone, ``bench/runner_floor.py``)."""
     if not llamacpp_installed() or size not in ("bench-6m", "bench-100m"):
         return {}
     n = 64 if quick else 128
     cell = dict(prompt_len=32, repeats=rep, batches=[1, 8], decode=[[1, n], [8, n]],
                 sample_tokens=True)
-    out = {"llamacpp": dict(cell, quant="f32")}
+    out = {"llamacpp": dict(cell, quant="f32"), "matmuls": dict(cell, sample_tokens=False)}
     if size == "bench-100m" and not quick:
         out["llamacpp_q8"] = dict(cell, quant="q8_0", sample_tokens=False)
         out["llamacpp_q4"] = dict(cell, quant="q4_0", sample_tokens=False)
         out["engine_int4"] = dict(cell, sample_tokens=False)
+        out["matmuls_int8"] = dict(cell, sample_tokens=False)
+        out["matmuls_int4"] = dict(cell, sample_tokens=False)
     return out
 
 
@@ -302,8 +306,8 @@ def build_size(name: str, pl: dict, args):
 
         return build_trained(cache, genai="genai" in pl, threads=args.threads,
                              ckpt=Path(args.trained_ckpt) if args.trained_ckpt else None)
-    return B.build(name, cache, genai="genai" in pl, int8="engine_int8" in pl,
-                   int4="engine_int4" in pl, threads=args.threads)
+    return B.build(name, cache, genai="genai" in pl, int8=any(k.endswith("_int8") for k in pl),
+                   int4=any(k.endswith("_int4") for k in pl), threads=args.threads)
 
 
 def gguf_paths(built, pl: dict, cache: Path) -> dict[str, str] | None:

@@ -30,12 +30,15 @@ RUNNER_LABELS = {
     "llamacpp": "llama.cpp (llama-cpp-python 0.3.36, f32 GGUF)",
     "llamacpp_q8": "llama.cpp, q8_0 GGUF",
     "llamacpp_q4": "llama.cpp, q4_0 GGUF",
+    "matmuls": "kvserve's matrix products alone, fp32 (its kernels' floor: bench/runner_floor.py)",
+    "matmuls_int8": "kvserve's matrix products alone, int8",
+    "matmuls_int4": "kvserve's matrix products alone, int4",
     "genai": "onnxruntime-genai 0.18 (Generator)",
     "torch": "kvserve torch eager (model/generate.py)",
     "hf": "transformers eager (LlamaForCausalLM.generate)",
 }
-ORDER = ["engine", "loop", "engine_int8", "engine_int4", "genai", "llamacpp", "llamacpp_q8",
-         "llamacpp_q4", "torch", "hf"]
+ORDER = ["engine", "loop", "engine_int8", "engine_int4", "matmuls", "matmuls_int8",
+         "matmuls_int4", "genai", "llamacpp", "llamacpp_q8", "llamacpp_q4", "torch", "hf"]
 
 
 def _wrap(lines: list[str]) -> list[str]:
@@ -167,9 +170,9 @@ def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
              "|---|" + "---|" * (len(cols) + 1)]
     for r in names:
         cells = [fmt(tok_s(size, r, c)) for c in cols]
-        v = runners[r]
-        lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells)
-                     + f" | {fmt(v.get('rss_peak_mb'))} |")
+        rss = None if r.startswith("matmuls") else runners[r].get("rss_peak_mb")  # (not a
+        # server: bench/runner_floor.py)
+        lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells) + f" | {fmt(rss)} |")
     errs = [f"{r}: {runners[r]['error'].strip().splitlines()[-1][:200]}" for r in runners
              if runners[r].get("error")]
     if errs:

@@ -28,6 +28,8 @@ What each runner is:
   engine_on  the engine with kvserve serve's defaults: prefix cache and speculation on
   llamacpp   llama-cpp-python on a GGUF of the same weights (f32; llamacpp_q8 / _q4: q8_0 /
           q4_0), batch B = B sequences of one context
+  matmuls    the floor of kvserve's kernels (``runner_floor``): the artifact's matrix products
+          alone at each call's shape (fp32; matmuls_int8 / _int4: those artifacts), no tokens
 Timing: wall clock (time.perf_counter) around each call; within a turn, calls repeat while
 they took under a second together (``best_of``).
 """
@@ -70,6 +72,12 @@ def make_runner(spec: dict) -> Runner:
 
         r = LlamaCppRunner(spec["gguf"][spec.get("quant", "f32")], t)
         r.name = spec.get("name", "llamacpp")
+        return r
+    if kind == "matmuls":
+        from .runner_floor import MatmulFloorRunner
+
+        r = MatmulFloorRunner(spec["artifact"], t)
+        r.name = spec.get("name", "matmuls")
         return r
     if kind == "grpc":
         return GrpcRunner(spec["artifact"], t, max(b for b, _ in spec["decode"]),

@@ -31,13 +31,18 @@ LLAMA_SMALL = ("a decode step of this model is little arithmetic: the engine's p
                "Python work (scheduling, sampling, events, detokenizer: "
                "bench/results/profile.md) is a large share of it, where llama.cpp's decode "
                "loop, driven here through its C API, is C")
-LLAMA_READS = ("a batch-1 step of this model is bound by reading its weights (fp32: ~400 MB a "
-               "token), and llama.cpp's f32 and q4_0 dot products read them faster than "
-               "onnxruntime's MatMul and MatMulNBits on this CPU: kvserve's lead at batch 1 is "
-               "its server's (speculation, the prefix cache: the cells above), not its "
-               "kernels'. Until 2026-12-02 the bench forced llama.cpp's OpenMP threads to "
-               "sleep at every barrier (OMP_WAIT_POLICY=PASSIVE); then kvserve led 1.20× (fp32) "
-               "and 2.19× (int4)")
+LLAMA_READS = ("a batch-1 step of this model reads every weight once (fp32: ~400 MB a token); "
+               "beside its matrix products kvserve's step makes some 70 small onnxruntime "
+               "kernel calls (per layer two norms, attention, and SwiGLU's Split, QuickGelu "
+               "and Mul): at int4, position 16, onnxruntime's profiler put "
+               "GroupQueryAttention at 0.17 ms, SkipSimplifiedLayerNormalization at 0.17 and "
+               "the SwiGLU ops at 0.16 of a 2.4 ms step (2026-12-02, "
+               "bench/results/decode-cost-100m-int4.md; onnxruntime 1.32 has no CPU kernel "
+               "of a fused SwiGLU, neither its own nor ONNX's). kvserve's lead at batch 1 is "
+               "its server's (speculation, the prefix cache: the cells above). Until "
+               "2026-12-02 the bench forced llama.cpp's OpenMP threads to sleep at every "
+               "barrier (OMP_WAIT_POLICY=PASSIVE); then kvserve led 1.20× (fp32) and 2.19× "
+               "(int4)")
 SPEC_RANDOM = "random-init weights: their greedy output rarely repeats the prompt"
 SPEC_B8 = ("at batch 8 a verification call over 8 × (1 + K) rows does real arithmetic: the "
            "engine's backoff pauses speculation when a verification step yields fewer tokens/s "
@@ -153,6 +158,27 @@ def _loaded(size: dict) -> list[str]:
             f"and this comparison has not been repeated on one"]
 
 
+def _floor(size: dict, p: str, theirs: str, cell: str) -> tuple[str, str]:
+    """(a note, a detail) from the floor of kvserve's kernels at ``cell`` (``matmuls``: the
+    ``p`` artifact's matrix products alone, ``bench/runner_floor.py``), where it ran."""
+    floor = "matmuls" if p == "fp32" else f"matmuls_{p}"
+    ours = tok_s(size, floor, cell)
+    r = paired(size, floor, theirs, cell)
+    if ours is None or r is None:
+        return "", ""
+    head = (f"kvserve's matrix products alone (the {p} artifact's, nothing between them: "
+            f"bench/runner_floor.py) made {fmt(ours)} tok/s in the same rounds, {r:.2f}× "
+            f"llama.cpp's whole model")
+    whole = paired(size, "engine" if p == "fp32" else f"engine_{p}", floor, cell)
+    share = "" if whole is None else f" (kvserve's whole step reached {whole:.2f} of them)"
+    note = (head + share + ": onnxruntime's kernels alone are slower on this CPU than "
+            "llama.cpp's whole step, so no change to kvserve's graph or engine can meet this "
+            "target" if r < 1.0 else
+            head + share + ": the rest of kvserve's step (attention, norms, activations, the "
+            "engine) is what llama.cpp does faster")
+    return note, f"; kvserve's matrix products alone {fmt(ours)} tok/s ({r:.2f}×)"
+
+
 def _llamacpp(key: str, size: dict) -> list[dict]:
     out = []
     for ours, theirs, p, q in LLAMACPP:
@@ -160,13 +186,16 @@ def _llamacpp(key: str, size: dict) -> list[dict]:
             continue
         for B in (1, 8):
             cell = f"{B}x128"
+            note, floor = _floor(size, p, theirs, cell)
             out.append(make_target(
                 key, f"kvserve {p} ≥ 1.0× llama.cpp {q}, batch {B} (128 new tokens)",
                 paired(size, ours, theirs, cell), 1.0,
-                ([LLAMA_SMALL] if key.startswith("bench-6m") else
-                 [LLAMA_READS] if B == 1 and key.startswith("bench-100m") else [])
+                ([note] if note else [])
+                + ([LLAMA_SMALL] if key.startswith("bench-6m") else
+                   [LLAMA_READS] if B == 1 and key.startswith("bench-100m") else [])
                 + _loaded(size),
                 f"{fmt(tok_s(size, ours, cell))} vs {fmt(tok_s(size, theirs, cell))} tok/s"
+                + floor
                 + ("" if run_date(size, ours) == run_date(size, theirs) else
                    f"; llama.cpp's figure from the run of {run_date(size, theirs)}, kvserve's "
                    f"from that of {run_date(size, ours)}: best over best, not paired rounds")))

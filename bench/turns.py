@@ -177,12 +177,13 @@ def runner_spec(name: str, spec: dict, paths: dict) -> dict:
     plan entry may name it: ``engine_on`` is an engine with the server's speed features)."""
     full = {**paths, **spec}
     full.pop("code_prompts", None)  # (sent with each spec cell, not at start)
-    full["runner"] = spec.get("runner") or ("engine" if name.startswith("engine") else
-                                            "llamacpp" if name.startswith("llamacpp") else name)
+    kind = name.split("_")[0]
+    full["runner"] = spec.get("runner") or \
+        (kind if kind in ("engine", "llamacpp", "matmuls") else name)
     full["name"] = name
-    if name == "engine_int8":
+    if name.endswith("_int8"):  # (engine_int8, matmuls_int8)
         full["artifact"] = paths["int8_artifact"]
-    if name == "engine_int4":
+    if name.endswith("_int4"):
         full["artifact"] = paths["int4_artifact"]
     return full
 

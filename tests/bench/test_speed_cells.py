@@ -288,6 +288,64 @@ def test_llamacpp_targets_pair_each_precision():
     assert not any("int4" in n for n in ts)  # no q4_0 results: no int4 target
 
 
+def test_llamacpp_targets_quote_the_floor_of_kvserves_kernels():
+    """Where the matrix products alone (``matmuls``) ran, a missed target says whether they
+    were already below llama.cpp's whole step (no change to kvserve can meet it) or not."""
+    from kvserve.bench.targets import targets
+
+    def dec(v):
+        return {"1x128": {"tok_s": v, "turns_tok_s": [v, v]},
+                "8x128": {"tok_s": 4 * v, "turns_tok_s": [4 * v, 4 * v]}}
+    size = {"runners": {"engine": {"decode": dec(90)}, "llamacpp": {"decode": dec(100)},
+                        "matmuls": {"decode": dec(95)},
+                        "engine_int4": {"decode": dec(90)}, "llamacpp_q4": {"decode": dec(100)},
+                        "matmuls_int4": {"decode": dec(120)}}}
+    ts = {t["name"]: t for t in targets({"bench-100m+llamacpp": size})}
+    fp32 = ts["kvserve fp32 ≥ 1.0× llama.cpp f32, batch 1 (128 new tokens)"]
+    assert not fp32["met"] and "made 95 tok/s in the same rounds, 0.95×" in fp32["why"]
+    assert "no change to kvserve's graph or engine can meet this target" in fp32["why"]
+    assert "matrix products alone 95 tok/s (0.95×)" in fp32["detail"]
+    int4 = ts["kvserve int4 ≥ 1.0× llama.cpp q4_0, batch 1 (128 new tokens)"]
+    assert "1.20× llama.cpp's whole model (kvserve's whole step reached 0.75 of them): the " \
+           "rest of kvserve's step" in int4["why"]
+    assert "can meet" not in int4["why"]
+
+
+def test_floor_runner_runs_the_artifacts_own_products(artifact, tmp_path):
+    """``matmuls``: every product with a constant weight of the artifact (fp32, and its int4
+    conversion), one input each, the lm_head at one row a sequence; the fp32 products are
+    the artifact's own weights (a product's output is x @ W)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
+    from kvserve.bench.runner_base import prompts_for
+    from kvserve.bench.runner_floor import PRODUCTS, MatmulFloorRunner, floor_graph
+    from kvserve.export.precision import convert
+
+    src = Path(artifact.dir) / "model.onnx"
+    g = onnx.load(str(src)).graph
+    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    products = [n for n in g.node if n.op_type in PRODUCTS and n.input[1] in inits]
+    model, feeds = floor_graph(src)
+    assert len(feeds) == len(products) == 4 * artifact.cfg.n_layers + 1
+    assert [f[5] for f in feeds].count(True) == 1  # the lm_head
+    r = MatmulFloorRunner(str(artifact.dir), 2)
+    out = r.generate(prompts_for(2, 5, artifact.cfg.vocab_size), 3)
+    assert out.shape == (2, 3)
+    b = r._binding(2, 1)
+    r.sess.run_with_iobinding(b)
+    got = b.copy_outputs_to_cpu()[0]  # (2, 1, N): the first product of layer 0
+    x = np.random.default_rng(0).standard_normal((2, 1, feeds[0][2])).astype(np.float32)
+    np.testing.assert_allclose(got, x @ inits[products[0].input[1]], rtol=1e-4, atol=1e-4)
+    q4 = tmp_path / "int4"
+    q4.mkdir()
+    convert(src, q4 / "model.onnx", "int4")
+    _, feeds4 = floor_graph(q4 / "model.onnx")
+    assert [f[2:4] for f in feeds4] == [f[2:4] for f in feeds]
+    r4 = MatmulFloorRunner(str(q4), 2)
+    assert r4.generate(prompts_for(1, 4, artifact.cfg.vocab_size), 2).shape == (1, 2)
+
+
 def test_speed_tables_render(tmp_path):
     from kvserve.bench.report_speed import prefix_chat_tables, spec_table
 
@@ -309,10 +367,16 @@ def test_llamacpp_only_plan_pairs_the_same_cells():
         assert p == {}
         return
     assert set(p) == {"engine", "engine_int8", "engine_int4", "llamacpp", "llamacpp_q8",
-                      "llamacpp_q4"}
+                      "llamacpp_q4", "matmuls", "matmuls_int8", "matmuls_int4"}
     assert all(v["decode"] == [[1, 128], [8, 128]] for v in p.values())
     assert {p[k]["quant"] for k in p if k.startswith("llamacpp")} == {"f32", "q8_0", "q4_0"}
     assert runner_spec("llamacpp_q4", p["llamacpp_q4"], {})["runner"] == "llamacpp"
+    assert not any(p[k]["sample_tokens"] for k in p if k.startswith("matmuls"))
+    paths = {"artifact": "fp32", "int8_artifact": "int8", "int4_artifact": "int4"}
+    for name, art in (("matmuls", "fp32"), ("matmuls_int8", "int8"), ("matmuls_int4", "int4"),
+                      ("engine_int4", "int4"), ("engine_on", "fp32")):
+        spec = runner_spec(name, p.get(name, {}), paths)
+        assert (spec["runner"], spec["artifact"]) == (name.split("_")[0], art)
 
 
 def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
