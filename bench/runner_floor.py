@@ -26,9 +26,9 @@ PRODUCTS = ("MatMul", "MatMulInteger", "MatMulNBits")
 
 
 def floor_graph(model_path: Path):
-    """(model, [(input name, K, dtype, is the lm_head)]): every matrix product of the model
-    at ``model_path`` with a constant weight, each with an input of its own (B, S, K) and its
-    output a graph output."""
+    """(model, [(input name, output name, K, N, input dtype, is the lm_head)]): every matrix
+    product of the model at ``model_path`` with a constant weight, each with an input of its
+    own (B, S, K) and its output (B, S, N) a graph output."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -41,12 +41,11 @@ def floor_graph(model_path: Path):
     for node in g.node:
         if node.op_type not in PRODUCTS or len(node.input) < 2 or node.input[1] not in inits:
             continue
-        w = inits[node.input[1]]
         if node.op_type == "MatMulNBits":
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             K, N = attrs["K"], attrs["N"]
         else:
-            K, N = w.dims[0], w.dims[1]
+            K, N = inits[node.input[1]].dims
         dtype = np.uint8 if node.op_type == "MatMulInteger" else np.float32
         name = f"floor.in{len(feeds)}"
         elem = onnx.TensorProto.UINT8 if dtype is np.uint8 else onnx.TensorProto.FLOAT
@@ -86,24 +85,23 @@ class MatmulFloorRunner(Runner):
         self.sess = ort.InferenceSession(model.SerializeToString(), session_options(threads),
                                          providers=["CPUExecutionProvider"])
         self._bound: dict[tuple[int, int], object] = {}
+        self._arrays: list[np.ndarray] = []  # the bound inputs and outputs (kept alive)
 
     def _binding(self, B: int, S: int):
         """The binding of a run at B sequences x S rows (the lm_head: one row a sequence)."""
         b = self._bound.get((B, S))
         if b is None:
-            b = self.sess.io_binding()
+            b = self._bound[(B, S)] = self.sess.io_binding()
             rng = np.random.default_rng(0)
-            keep = []
             for name, out, K, N, dtype, head in self.feeds:
                 rows = 1 if head else S
                 x = (rng.integers(0, 256, (B, rows, K)).astype(np.uint8) if dtype is np.uint8
                      else rng.standard_normal((B, rows, K)).astype(np.float32))
                 y = np.empty((B, rows, N), np.int32 if dtype is np.uint8 else np.float32)
-                keep += [x, y]
+                self._arrays += [x, y]
                 b.bind_cpu_input(name, x)
                 b.bind_output(out, "cpu", 0, y.dtype, list(y.shape), y.ctypes.data)
-            self._bound[(B, S)] = b = (b, keep)
-        return b[0]
+        return b
 
     def generate(self, prompts: np.ndarray, n: int) -> np.ndarray:
         B, P = prompts.shape

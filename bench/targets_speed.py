@@ -158,25 +158,26 @@ def _loaded(size: dict) -> list[str]:
             f"and this comparison has not been repeated on one"]
 
 
-def _floor(size: dict, p: str, theirs: str, cell: str) -> tuple[str, str]:
-    """(a note, a detail) from the floor of kvserve's kernels at ``cell`` (``matmuls``: the
-    ``p`` artifact's matrix products alone, ``bench/runner_floor.py``), where it ran."""
-    floor = "matmuls" if p == "fp32" else f"matmuls_{p}"
-    ours = tok_s(size, floor, cell)
+def _floor(size: dict, ours: str, theirs: str, p: str, cell: str) -> tuple[str, str]:
+    """(a note, a detail) from the floor of kvserve's kernels at ``cell`` (``matmuls``,
+    ``matmuls_int8``, ...: the matrix products alone of the artifact engine runner ``ours``
+    runs, ``bench/runner_floor.py``), where it ran."""
+    floor = "matmuls" + ours.removeprefix("engine")
+    floor_tok_s = tok_s(size, floor, cell)
     r = paired(size, floor, theirs, cell)
-    if ours is None or r is None:
+    if floor_tok_s is None or r is None:
         return "", ""
     head = (f"kvserve's matrix products alone (the {p} artifact's, nothing between them: "
-            f"bench/runner_floor.py) made {fmt(ours)} tok/s in the same rounds, {r:.2f}× "
-            f"llama.cpp's whole model")
-    whole = paired(size, "engine" if p == "fp32" else f"engine_{p}", floor, cell)
+            f"bench/runner_floor.py) made {fmt(floor_tok_s)} tok/s in the same rounds, "
+            f"{r:.2f}× llama.cpp's whole model")
+    whole = paired(size, ours, floor, cell)
     share = "" if whole is None else f" (kvserve's whole step reached {whole:.2f} of them)"
     note = (head + share + ": onnxruntime's kernels alone are slower on this CPU than "
             "llama.cpp's whole step, so no change to kvserve's graph or engine can meet this "
             "target" if r < 1.0 else
             head + share + ": the rest of kvserve's step (attention, norms, activations, the "
             "engine) is what llama.cpp does faster")
-    return note, f"; kvserve's matrix products alone {fmt(ours)} tok/s ({r:.2f}×)"
+    return note, f"; kvserve's matrix products alone {fmt(floor_tok_s)} tok/s ({r:.2f}×)"
 
 
 def _llamacpp(key: str, size: dict) -> list[dict]:
@@ -186,7 +187,7 @@ def _llamacpp(key: str, size: dict) -> list[dict]:
             continue
         for B in (1, 8):
             cell = f"{B}x128"
-            note, floor = _floor(size, p, theirs, cell)
+            note, floor = _floor(size, ours, theirs, p, cell)
             out.append(make_target(
                 key, f"kvserve {p} ≥ 1.0× llama.cpp {q}, batch {B} (128 new tokens)",
                 paired(size, ours, theirs, cell), 1.0,
