@@ -61,7 +61,11 @@ def test_cancellation_frees_the_slot(stub, app, monkeypatch):
     assert app.metrics.requests.get(rpc="Generate", outcome="cancelled") >= 1
 
 
-def test_deadline_exceeded_stops_the_work(stub, app):
+def test_deadline_exceeded_stops_the_work(stub, app, monkeypatch):
+    # 240 steps of 20 ms: the work outlasts the 50 ms deadline, and stopping it within 2 s
+    # is the deadline's doing (unslowed, speculation made the 240 tokens of this looping
+    # model in under 50 ms on a fast machine, and the call ended normally)
+    _slowed(monkeypatch, app, 0.02)
     before = app.metrics.requests.get(rpc="Generate", outcome="time_limit")
     with pytest.raises(grpc.RpcError) as e:
         collect(stub.Generate(gen_request("x", 240, top_logprobs=20), timeout=0.05))
