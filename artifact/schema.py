@@ -171,7 +171,8 @@ def check_manifest(m: Any) -> dict:
           f"this one")
     for key in ("precision", "present_layout", "kv_dtype"):
         _need(key not in m or isinstance(m[key], str), f"manifest.json: {key} must be a string")
-    for key in ("model", "optimized_for", "parity", "perplexity", "producer", "source"):
+    for key in ("model", "optimized_for", "parity", "perplexity", "producer", "quantization",
+                "source"):
         _need(key not in m or isinstance(m[key], dict), f"manifest.json: {key} must be an "
                                                         f"object")
     opt = m.get("optimized_for")

@@ -8,7 +8,8 @@ Per size, under ``<cache>/<name>/``:
   ckpt/       ``kvserve import-hf hf/``
   fp32/       ``export_artifacts(ckpt, precision="fp32")`` (prefill + decode graphs)
   int8/       ``export_artifacts(ckpt, precision="int8")`` (sizes that ask for it)
-  int4/       ``export_artifacts(ckpt, precision="int4")`` (when the llama.cpp peer's q4_0 runs)
+  int4/       ``export_artifacts(ckpt, precision="int4", int4_block=64)`` (when the llama.cpp
+              peer's q4_0 runs): blocks of 64 store 4.5 bits a weight, q4_0's size
   gguf/       llama.cpp's copies of hf/ (``bench/gguf_convert.py``; when llama.cpp runs)
   genai/      ``python -m onnxruntime_genai.models.builder -i hf -o genai -p fp32 -e cpu``
 Every step writes into a temporary directory and renames it into place, so a directory that
@@ -181,8 +182,15 @@ def code_stamp() -> str:
 STAMP = ".bench-stamp"
 
 
-def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2) -> Path:
-    stamp = code_stamp()
+# the bench's int4 artifact: blocks of 64 weights with a float32 scale each store 4.5 bits a
+# weight, as llama.cpp's q4_0 (blocks of 32, a float16 scale each) that it is measured against;
+# kvserve's default (32) stores 5 (bench/results/int4-blocks.md measures both)
+BENCH_INT4_BLOCK = 64
+
+
+def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2,
+                    int4_block: int | None = None) -> Path:
+    stamp = code_stamp() + (f":int4-block-{int4_block}" if int4_block else "")
     if (out / "manifest.json").is_file():
         if (out.parent / f"{out.name}{STAMP}").is_file() and \
                 (out.parent / f"{out.name}{STAMP}").read_text() == stamp:
@@ -195,7 +203,7 @@ def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2) -> 
     # enforced (random-init weights: perplexity ~ vocab size)
     out = Path(export_artifacts(ckpt, out, precision=precision, attention=False,
                                 parity_steps=64, max_ppl_increase=10.0, progress=False,
-                                threads=threads))
+                                threads=threads, int4_block=int4_block))
     # beside the artifact, not in it: the manifest lists every file of the directory
     (out.parent / f"{out.name}{STAMP}").write_text(stamp)
     return out
@@ -251,6 +259,7 @@ def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = Non
     want_int8 = size.int8 if int8 is None else int8
     q = step("int8", build_artifacts, ckpt, root / "int8", "int8", threads) if want_int8 \
         else None
-    q4 = step("int4", build_artifacts, ckpt, root / "int4", "int4", threads) if int4 else None
+    q4 = step("int4", build_artifacts, ckpt, root / "int4", "int4", threads,
+              BENCH_INT4_BLOCK) if int4 else None
     g = step("genai", build_genai, hf, root / "genai", threads) if genai else None
     return Built(size, root, hf, ckpt, fp32, q, g, secs, q4)

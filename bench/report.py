@@ -37,6 +37,18 @@ RUNNER_LABELS = {
     "torch": "kvserve torch eager (model/generate.py)",
     "hf": "transformers eager (LlamaForCausalLM.generate)",
 }
+
+
+def label(name: str, res: dict | None = None) -> str:
+    """A runner's row label; an int4 artifact's says its block size (``res``: the runner's
+    results, where the worker recorded the artifact's manifest ``quantization``)."""
+    q = (res or {}).get("quantization") or {}
+    base = RUNNER_LABELS.get(name, name)
+    if q.get("block_size"):
+        base += f" (blocks of {q['block_size']}: {q.get('bits_per_weight', 0):g} bits a weight)"
+    return base
+
+
 ORDER = ["engine", "loop", "engine_int8", "engine_int4", "matmuls", "matmuls_int8",
          "matmuls_int4", "genai", "llamacpp", "llamacpp_q8", "llamacpp_q4", "torch", "hf"]
 
@@ -172,7 +184,7 @@ def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
         cells = [fmt(tok_s(size, r, c)) for c in cols]
         rss = None if r.startswith("matmuls") else runners[r].get("rss_peak_mb")  # (not a
         # server: bench/runner_floor.py)
-        lines.append(f"| {RUNNER_LABELS.get(r, r)} | " + " | ".join(cells) + f" | {fmt(rss)} |")
+        lines.append(f"| {label(r, runners[r])} | " + " | ".join(cells) + f" | {fmt(rss)} |")
     errs = [f"{r}: {runners[r]['error'].strip().splitlines()[-1][:200]}" for r in runners
              if runners[r].get("error")]
     if errs:

@@ -114,6 +114,9 @@ class Worker:
                        "rss_before_load_mb": rss0}
         if getattr(self.r, "lm", None) is not None:  # kvserve's runners: which runtime
             self.loaded["runtime"] = self.r.lm.kind
+            quant = self.r.lm.manifest.get("quantization")  # (int4: its block size)
+            if quant:
+                self.loaded["quantization"] = quant
         for k in ("prefix_cache_mb", "speculative_tokens", "quant"):  # (engine_on, llamacpp)
             if k in spec:
                 self.loaded[k] = spec[k]

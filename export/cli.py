@@ -12,6 +12,7 @@ from .logs import quiet_exporter_logs
 
 # == pipeline.PRECISIONS (tests/test_cli_startup.py checks); not imported from there: torch
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+INT4_BLOCKS = (16, 32, 64, 128, 256)  # == precision.INT4_BLOCKS (tests check)
 
 
 def add_arguments(parser) -> None:
@@ -22,6 +23,12 @@ def add_arguments(parser) -> None:
                              "(CPU, integer MatMuls: int8 weights per output column, "
                              "activations quantized per row), int4 (CPU, 4-bit weight blocks: "
                              "MatMulNBits; fused graphs)")
+    parser.add_argument("--int4-block-size", type=int, default=None, choices=INT4_BLOCKS,
+                        metavar="N", help="int4: weights per 4-bit block, one float32 scale "
+                                          "each (16, 32 (default), 64, 128, 256): 64 stores "
+                                          "4.5 bits a weight (llama.cpp q4_0's size), 128 "
+                                          "4.25; larger blocks decode faster and move the "
+                                          "logits a little more")
     parser.add_argument("--portable", action="store_true",
                         help="standard ONNX ops only (prefill + decode graphs with the optimum "
                              "/ genai I/O names) for other runtimes, instead of the fused "
@@ -63,7 +70,8 @@ def main(args) -> int:
                                parity_steps=args.parity_steps,
                                eval_text=args.eval_text, max_ppl_increase=args.max_ppl_increase,
                                optimize=args.optimize,
-                               overwrite=args.overwrite, threads=args.threads)
+                               overwrite=args.overwrite, threads=args.threads,
+                               int4_block=args.int4_block_size)
     except (ParityError, PrecisionError) as e:
         print(f"kvserve export: FAILED: {e}; no artifact written", file=sys.stderr)
         return 1
@@ -81,7 +89,8 @@ def main(args) -> int:
     if m["precision"] != "fp32":
         q = m["parity"][m["precision"]]
         print(f"  {m['precision']}: max |Δlogit| {max(q['max_abs_logit_prefill'], q['max_abs_logit_decode']):.2e}, "
-              f"greedy agreement {q['token_agreement']:.3f}")
+              f"greedy agreement {q['token_agreement']:.3f}"
+              + (f", blocks of {m['quantization']['block_size']}" if "quantization" in m else ""))
     if "perplexity" in m:
         print("  perplexity: " + ", ".join(f"{k} {v:.4g}" for k, v in m["perplexity"].items()))
     if key is not None:

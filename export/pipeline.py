@@ -44,9 +44,18 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                      attention: bool = True, portable: bool = False, parity_steps: int = 64,
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
                      optimize: bool = False, overwrite: bool = False, progress: bool = True,
-                     threads: int | None = None) -> Path:
+                     threads: int | None = None, int4_block: int | None = None) -> Path:
+    """``int4_block``: weights per 4-bit block of an int4 export (``precision.INT4_BLOCKS``;
+    None: ``precision.INT4_BLOCK``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if int4_block is not None and precision != "int4":
+        raise ValueError(f"the int4 block size applies to --precision int4 only, not "
+                         f"{precision}")
+    int4_block = prec.INT4_BLOCK if int4_block is None else int4_block
+    if int4_block not in prec.INT4_BLOCKS:
+        raise ValueError(f"the int4 block size must be one of "
+                         f"{', '.join(map(str, prec.INT4_BLOCKS))}, got {int4_block}")
     if parity_steps < 64:
         raise ValueError("the parity gate runs at least 64 decode steps")
     ckpt, out = Path(ckpt), Path(out)
@@ -89,7 +98,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
         del lm32
 
-        machine = _transform(kind, specs, work, tmp, precision, optimize, bar)
+        machine = _transform(kind, specs, work, tmp, precision, optimize, bar, int4_block)
         shutil.rmtree(work)
 
         if transformed:
@@ -117,6 +126,10 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
 
         bar.set_description("manifest")
         content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids)
+        if precision == "int4":
+            content["quantization"] = {"op": "MatMulNBits", "bits": 4, "symmetric": True,
+                                       "block_size": int4_block,
+                                       "bits_per_weight": 4 + 32 / int4_block}
         if why_portable:
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
@@ -165,7 +178,7 @@ def _write_graphs(model, kind: str, specs, work: Path, bar) -> None:
 
 
 def _transform(kind: str, specs, work: Path, tmp: Path, precision: str, optimize: bool,
-               bar) -> dict | None:
+               bar, int4_block: int) -> dict | None:
     """Move (fp32) or convert the graphs from ``work`` into ``tmp``; optionally optimise."""
     machine = None
     first = specs[0]
@@ -178,7 +191,7 @@ def _transform(kind: str, specs, work: Path, tmp: Path, precision: str, optimize
                 p.rename(tmp / p.name)
         else:
             bar.set_description(f"{precision} {spec.name}")
-            prec.convert(src, dst, precision)
+            prec.convert(src, dst, precision, int4_block)
         if optimize:
             bar.set_description(f"optimize {spec.name}")
             machine = prec.optimize_offline(dst)

@@ -7,8 +7,10 @@
 - int8: integer MatMuls in standard ops (``quantize_int8_rows``): weights int8 per output
   column, activations quantized per row when the graph runs, so a sequence's logits do not
   depend on the rest of its batch.
-- int4 (fused graphs): weight-only 4-bit blocks (``MatMulNBits``, block 32, symmetric), as
-  onnxruntime-genai's builder makes for CPU.
+- int4 (fused graphs): weight-only 4-bit blocks (``MatMulNBits``, symmetric), blocks of 32
+  weights by default, as onnxruntime-genai's builder makes for CPU; blocks of 64 store 4.5 bits
+  a weight (llama.cpp's q4_0 size) and 128 4.25, faster to read and a little less exact
+  (``INT4_BLOCKS``; measured in bench/results/int4-blocks.md).
 On fused graphs fp16 also makes the KV buffers float16 (past and present are one buffer, so
 they cannot keep float32 around a float16 op); logits stay float32.
 """
@@ -32,10 +34,11 @@ class PrecisionError(RuntimeError):
     pass
 
 
-INT4_BLOCK = 32
+INT4_BLOCK = 32  # weights per 4-bit block (one float32 scale each): the default
+INT4_BLOCKS = (16, 32, 64, 128, 256)  # what MatMulNBits takes (a power of two, >= 16)
 
 
-def convert(src: Path, dst: Path, precision: str) -> None:
+def convert(src: Path, dst: Path, precision: str, int4_block: int = INT4_BLOCK) -> None:
     data_name = dst.name + ".data"
     fused = any(n.op_type == "GroupQueryAttention"
                 for n in onnx.load(str(src), load_external_data=False).graph.node)
@@ -57,7 +60,9 @@ def convert(src: Path, dst: Path, precision: str) -> None:
 
         if not fused:
             raise PrecisionError("int4 needs the fused graph")
-        q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=INT4_BLOCK,
+        if int4_block not in INT4_BLOCKS:
+            raise ValueError(f"int4 block size must be one of {INT4_BLOCKS}, got {int4_block}")
+        q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=int4_block,
                                  is_symmetric=True, accuracy_level=4)
         q.process()
         onnx.save(q.model.model, str(dst), save_as_external_data=True, location=data_name,

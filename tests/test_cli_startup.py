@@ -52,6 +52,9 @@ def test_export_precision_choices_match_the_pipeline():
     from kvserve.export import cli, pipeline
 
     assert cli.PRECISIONS == pipeline.PRECISIONS
+    from kvserve.export import precision
+
+    assert cli.INT4_BLOCKS == precision.INT4_BLOCKS
 
 
 def test_version_is_the_package_version():

@@ -258,3 +258,27 @@ def test_bench_runs_as_a_script_and_shadows_no_standard_module():
     r = subprocess.run([sys.executable, str(bench / "decode_cost.py"), "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith("usage: decode_cost.py"), r.stderr
+
+
+def test_int4_blocks_measures_each_block_size(tiny_ckpt, tmp_path):
+    """``bench/int4_blocks.py``'s pieces on the tiny model: each artifact's fidelity from its
+    manifest, every artifact timed in the same rounds, one table row a block size."""
+    from kvserve.bench import int4_blocks
+    from kvserve.export.pipeline import export_artifacts
+
+    arts = {b: Path(export_artifacts(tiny_ckpt, tmp_path / f"b{b}", precision="int4",
+                                     attention=False, progress=False, threads=1,
+                                     int4_block=b)) for b in (32, 64)}
+    fid = [int4_blocks.fidelity(a) for a in arts.values()]
+    assert [(f["block_size"], f["bits_per_weight"]) for f in fid] == [(32, 5.0), (64, 4.5)]
+    assert fid[1]["data_mb"] < fid[0]["data_mb"]
+    assert all(0 <= f["token_agreement"] <= 1 and f["max_abs_logit"] > 0 for f in fid)
+    sp = int4_blocks.speed(arts, [1, 2], rounds=2, threads=1)
+    assert set(sp) == {"1", "2"} and sp["1"]["32"]["vs_first"] == 1.0
+    assert all(len(c["rounds"]) == 2 and c["tok_s"] > 0 for B in sp.values() for c in B.values())
+    md = int4_blocks.render({"size": "tiny", "cpu": "cpu", "threads": 1, "onnxruntime": "x",
+                             "date": "today", "rounds": 2, "artifacts": fid, "speed": sp})
+    rows = [line for line in md.splitlines() if line.startswith("| 32 |") or
+            line.startswith("| 64 |")]
+    assert len(rows) == 2 and "| 4.5 |" in rows[1] and f"({sp['1']['64']['vs_first']:.2f}×)" \
+        in rows[1]

@@ -311,6 +311,28 @@ def test_llamacpp_targets_quote_the_floor_of_kvserves_kernels():
     assert "can meet" not in int4["why"]
 
 
+def test_an_int4_artifacts_block_size_is_in_its_target_and_row():
+    """The int4 runner's results carry its artifact's quantization (the worker reads the
+    manifest): the llama.cpp target and the table row say which block size ran."""
+    from kvserve.bench.report import label
+    from kvserve.bench.targets import targets
+
+    q = {"op": "MatMulNBits", "bits": 4, "symmetric": True, "block_size": 64,
+         "bits_per_weight": 4.5}
+    dec = {"1x128": {"tok_s": 110, "turns_tok_s": [110]},
+           "8x128": {"tok_s": 400, "turns_tok_s": [400]}}
+    size = {"runners": {"engine_int4": {"decode": dec, "quantization": q},
+                        "llamacpp_q4": {"decode": {c: {**v, "turns_tok_s": [100]}
+                                                   for c, v in dec.items()}}}}
+    ts = {t["name"]: t for t in targets({"bench-100m+llamacpp": size})}
+    t = ts["kvserve int4 (blocks of 64: 4.5 bits a weight) ≥ 1.0× llama.cpp q4_0, batch 1 "
+           "(128 new tokens)"]
+    assert t["met"] and t["ratio"] == pytest.approx(1.1)
+    assert label("engine_int4", size["runners"]["engine_int4"]) == \
+        "kvserve engine, int4 artifact (blocks of 64: 4.5 bits a weight)"
+    assert label("engine_int4", {}) == "kvserve engine, int4 artifact"
+
+
 def test_floor_runner_runs_the_artifacts_own_products(artifact, tmp_path):
     """``matmuls``: every product with a constant weight of the artifact (fp32, and its int4
     conversion), one input each, the lm_head at one row a sequence; the fp32 products are
