@@ -18,6 +18,14 @@ def get(d: dict, *path, default=None):
     return d
 
 
+def blocks(res: dict | None) -> str:
+    """' (blocks of 64: 4.5 bits a weight)' for a runner whose results record its int4
+    artifact's ``quantization`` (the worker reads the manifest); '' otherwise."""
+    q = (res or {}).get("quantization") or {}
+    return f" (blocks of {q['block_size']}: {q.get('bits_per_weight', 0):g} bits a weight)" \
+        if q.get("block_size") else ""
+
+
 def ratio(a, b):
     return a / b if a and b else None
 

@@ -11,7 +11,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from .figures import decode_columns, fmt, get, paired, per_round, ratio, score_roofline, tok_s
+from .figures import (blocks, decode_columns, fmt, get, paired, per_round, ratio,
+                      score_roofline, tok_s)
 from .report_speed import prefix_chat_tables, spec_table
 from .targets import grid, targets
 
@@ -40,13 +41,8 @@ RUNNER_LABELS = {
 
 
 def label(name: str, res: dict | None = None) -> str:
-    """A runner's row label; an int4 artifact's says its block size (``res``: the runner's
-    results, where the worker recorded the artifact's manifest ``quantization``)."""
-    q = (res or {}).get("quantization") or {}
-    base = RUNNER_LABELS.get(name, name)
-    if q.get("block_size"):
-        base += f" (blocks of {q['block_size']}: {q.get('bits_per_weight', 0):g} bits a weight)"
-    return base
+    """A runner's row label; an int4 artifact's says its block size (``res``: its results)."""
+    return RUNNER_LABELS.get(name, name) + blocks(res)
 
 
 ORDER = ["engine", "loop", "engine_int8", "engine_int4", "matmuls", "matmuls_int8",

@@ -14,7 +14,7 @@ measured figure that says why where there is one.
 """
 from __future__ import annotations
 
-from .figures import (fmt, get, paired, paired_speed, per_round_speed, run_date, speed,
+from .figures import (blocks, fmt, get, paired, paired_speed, per_round_speed, run_date, speed,
                       speed_date, tok_s)
 from .targets import make_target
 
@@ -180,13 +180,6 @@ def _floor(size: dict, ours: str, theirs: str, p: str, cell: str) -> tuple[str, 
     return note, f"; kvserve's matrix products alone {fmt(floor_tok_s)} tok/s ({r:.2f}×)"
 
 
-def _blocks(size: dict, runner: str) -> str:
-    """' (blocks of 64: 4.5 bits a weight)' for an int4 artifact whose results record it."""
-    q = get(size, "runners", runner, "quantization") or {}
-    return f" (blocks of {q['block_size']}: {q.get('bits_per_weight', 0):g} bits a weight)" \
-        if q.get("block_size") else ""
-
-
 def _llamacpp(key: str, size: dict) -> list[dict]:
     out = []
     for ours, theirs, p, q in LLAMACPP:
@@ -196,7 +189,7 @@ def _llamacpp(key: str, size: dict) -> list[dict]:
             cell = f"{B}x128"
             note, floor = _floor(size, ours, theirs, p, cell)
             out.append(make_target(
-                key, f"kvserve {p}{_blocks(size, ours)} ≥ 1.0× llama.cpp {q}, batch {B} (128 "
+                key, f"kvserve {p}{blocks(get(size, 'runners', ours))} ≥ 1.0× llama.cpp {q}, batch {B} (128 "
                      f"new tokens)",
                 paired(size, ours, theirs, cell), 1.0,
                 ([note] if note else [])
