@@ -1,6 +1,6 @@
 """What the int4 block size buys and costs (a script): speed against fidelity.
 
-    python bench/int4_blocks.py [--size bench-100m] [--blocks 32 64 128] [--rounds 7]
+    python bench/int4_blocks.py [--size bench-100m | trained] [--blocks 32 64 128] [--rounds 7]
                                 [--update-committed | --out FILE.json] [--render-only]
 
 The size's checkpoint (``bench/build.py``: random-init Llama, built when missing) is exported
@@ -16,8 +16,10 @@ under ``<cache>/models/<size>/int4-bN``). For each artifact:
   then 64 greedy steps) at batch 1 and 8, every artifact loaded in one process and timed in
   alternating rounds; the ratio to the first block size is the median of the per-round ratios.
 
-Results: ``int4-blocks.json`` and ``int4-blocks.md`` (``--update-committed``:
-``bench/results/``; docs/export.md quotes them).
+Results: ``int4-blocks.json`` (one entry a size; a run replaces its size's) and
+``int4-blocks.md`` (``--update-committed``: ``bench/results/``; docs/export.md quotes them).
+``--size trained``: the default trained model (``bench/trained.py``, trained once into the
+cache), whose perplexity is taken on held-out files: the fidelity figures that mean most.
 """
 from __future__ import annotations
 
@@ -34,13 +36,28 @@ import numpy as np
 from kvserve.bench.common import CACHE, RESULTS, cpu_model
 
 NEW_TOKENS = 64
+HELD_OUT = 8  # held-out files of the trained model's perplexity text
 
 
 def build(size: str, cache: Path, blocks: list[int]) -> dict[int, Path]:
+    """The size's int4 artifacts, one per block size. ``trained``: the default trained model
+    (``bench/trained.py``), its perplexity taken on held-out files (neither its weights nor its
+    tokenizer saw them); the random-init sizes: on the export's default text."""
     from kvserve.bench.build import build as build_size, build_artifacts
 
-    built = build_size(size, cache, genai=False, int8=False)
-    return {b: build_artifacts(built.ckpt, built.root / f"int4-b{b}", "int4", int4_block=b)
+    eval_text = None
+    if size == "trained":
+        from kvserve.bench.trained import build_trained, held_out_files
+
+        built = build_trained(cache, genai=False)
+        eval_text = built.root / "held-out.txt"
+        if not eval_text.is_file():
+            eval_text.write_text("\n".join(f.read_text(errors="replace")
+                                           for f in held_out_files()[:HELD_OUT]))
+    else:
+        built = build_size(size, cache, genai=False, int8=False)
+    return {b: build_artifacts(built.ckpt, built.root / f"int4-b{b}", "int4", int4_block=b,
+                               eval_text=eval_text)
             for b in blocks}
 
 
@@ -87,9 +104,12 @@ def render(res: dict) -> str:
              f"{res['cpu']}, {res['threads']} onnxruntime threads, onnxruntime "
              f"{res['onnxruntime']}; {res['date']}. Raw decode loop, {NEW_TOKENS} greedy tokens "
              f"after 32 random ones, medians of {res['rounds']} alternating rounds; fidelity "
-             f"from each export's gate against the fp32 torch model (random-init weights: "
-             f"compare the rows, not the model). Data MB: the weights file (the embedding "
-             f"table stays float32).", "",
+             f"from each export's gate against the fp32 torch model"
+             + (f" (the default trained model: perplexity on {HELD_OUT} held-out files, "
+                f"neither trained on nor in its tokenizer's corpus, their first 4,096 tokens)"
+                if res["size"] == "trained" else
+                " (random-init weights: compare the rows, not the model)")
+             + ". Data MB: the weights file (the embedding table stays float32).", "",
              "| block | bits a weight | data MB | max \\|Δlogit\\| | greedy agreement | "
              "perplexity change | " + " | ".join(f"batch {B} tok/s (× block {first})"
                                                   for B in res["speed"]) + " |",
@@ -102,10 +122,22 @@ def render(res: dict) -> str:
         lines.append(f"| {b} | {f['bits_per_weight']:g} | {f['data_mb']:.1f} | "
                      f"{f['max_abs_logit']:.2f} | {f['token_agreement']:.2f} | "
                      + ("–" if ppl is None else f"{ppl:+.2%}") + " | " + " | ".join(cells) + " |")
-    lines += ["", "llama.cpp's q4_0 stores 4.5 bits a weight (blocks of 32 with a float16 "
-              "scale); the bench measures it against kvserve's blocks of 64, the same size "
-              "(bench/build.py: BENCH_INT4_BLOCK)."]
     return "\n".join(lines) + "\n"
+
+
+def load(path: Path) -> dict:
+    """The results file: one entry a size (``{"sizes": {size: results}}``)."""
+    if not path.is_file():
+        return {"sizes": {}}
+    data = json.loads(path.read_text())
+    return data if "sizes" in data else {"sizes": {data["size"]: data}}
+
+
+def render_all(data: dict) -> str:
+    return "\n".join(render(res) for res in data["sizes"].values()) + (
+        "\nllama.cpp's q4_0 stores 4.5 bits a weight (blocks of 32 with a float16 scale); the "
+        "bench measures it against kvserve's blocks of 64, the same size (bench/build.py: "
+        "BENCH_INT4_BLOCK).\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(RESULTS / "int4-blocks.json" if args.update_committed else
                args.out or Path(args.cache) / "int4-blocks.json")
     if args.render_only:
-        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        out.with_suffix(".md").write_text(render_all(load(out)))
         return 0
     arts = build(args.size, Path(args.cache), args.blocks)
     res = {"size": args.size, "cpu": cpu_model(), "threads": args.threads,
@@ -137,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "rounds": args.rounds, "artifacts": [fidelity(a) for a in arts.values()],
            "speed": speed(arts, args.batches, args.rounds, args.threads)}
+    data = load(out)
+    data["sizes"][args.size] = res
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(res))
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render_all(data))
     print(render(res))
     print(f"written {out} and {out.with_suffix('.md').name}")
     return 0

@@ -282,3 +282,8 @@ def test_int4_blocks_measures_each_block_size(tiny_ckpt, tmp_path):
             line.startswith("| 64 |")]
     assert len(rows) == 2 and "| 4.5 |" in rows[1] and f"({sp['1']['64']['vs_first']:.2f}×)" \
         in rows[1]
+    # the results file holds one entry a size; a file of one size's results reads as such
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"size": "tiny", "artifacts": fid}))
+    assert list(int4_blocks.load(one)["sizes"]) == ["tiny"]
+    assert int4_blocks.load(tmp_path / "none.json") == {"sizes": {}}
