@@ -193,8 +193,8 @@ def _llamacpp(key: str, size: dict) -> list[dict]:
             cell = f"{B}x128"
             note, floor = _floor(size, ours, theirs, p, cell)
             out.append(make_target(
-                key, f"kvserve {p}{blocks(get(size, 'runners', ours))} ≥ 1.0× llama.cpp {q}, batch {B} (128 "
-                     f"new tokens)",
+                key, f"kvserve {p}{blocks(get(size, 'runners', ours))} ≥ 1.0× llama.cpp {q}, "
+                     f"batch {B} (128 new tokens)",
                 paired(size, ours, theirs, cell), 1.0,
                 ([note] if note else [])
                 + ([LLAMA_SMALL] if key.startswith("bench-6m") else

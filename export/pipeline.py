@@ -45,17 +45,10 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
                      optimize: bool = False, overwrite: bool = False, progress: bool = True,
                      threads: int | None = None, int4_block: int | None = None) -> Path:
-    """``int4_block``: weights per 4-bit block of an int4 export (``precision.INT4_BLOCKS``;
-    None: ``precision.INT4_BLOCK``)."""
+    """``int4_block``: weights per block of an int4 export (None: ``precision.INT4_BLOCK``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if int4_block is not None and precision != "int4":
-        raise ValueError(f"the int4 block size applies to --precision int4 only, not "
-                         f"{precision}")
-    int4_block = prec.INT4_BLOCK if int4_block is None else int4_block
-    if int4_block not in prec.INT4_BLOCKS:
-        raise ValueError(f"the int4 block size must be one of "
-                         f"{', '.join(map(str, prec.INT4_BLOCKS))}, got {int4_block}")
+    int4_block = prec.int4_block_size(precision, int4_block)
     if parity_steps < 64:
         raise ValueError("the parity gate runs at least 64 decode steps")
     ckpt, out = Path(ckpt), Path(out)
@@ -125,11 +118,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             bar.update()
 
         bar.set_description("manifest")
-        content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids)
-        if precision == "int4":
-            content["quantization"] = {"op": "MatMulNBits", "bits": 4, "symmetric": True,
-                                       "block_size": int4_block,
-                                       "bits_per_weight": 4 + 32 / int4_block}
+        content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids,
+                                    int4_block)
         if why_portable:
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
@@ -245,7 +235,8 @@ def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
     return ids if len(ids) >= 16 else None
 
 
-def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids) -> dict:
+def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids,
+                      int4_block: int) -> dict:
     kv_dtype = _kv_dtype(kind, precision)
     content = {
         "producer": {"kvserve": kvserve.__version__, "torch": torch.__version__,
@@ -266,6 +257,8 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids) 
     }
     if ppl:
         content["perplexity"] = {**ppl, "eval_tokens": len(eval_ids)}
+    if (quant := prec.quantization(precision, int4_block)) is not None:
+        content["quantization"] = quant
     return content
 
 

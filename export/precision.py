@@ -38,6 +38,28 @@ INT4_BLOCK = 32  # weights per 4-bit block (one float32 scale each): the default
 INT4_BLOCKS = (16, 32, 64, 128, 256)  # what MatMulNBits takes (a power of two, >= 16)
 
 
+def int4_block_size(precision: str, block: int | None) -> int:
+    """The block size an export's int4 graphs take (None: ``INT4_BLOCK``); refused where it
+    cannot apply, before any export work."""
+    if block is not None and precision != "int4":
+        raise ValueError(f"the int4 block size applies to --precision int4 only, not "
+                         f"{precision}")
+    block = INT4_BLOCK if block is None else block
+    if block not in INT4_BLOCKS:
+        raise ValueError(f"the int4 block size must be one of "
+                         f"{', '.join(map(str, INT4_BLOCKS))}, got {block}")
+    return block
+
+
+def quantization(precision: str, int4_block: int) -> dict | None:
+    """The manifest's ``quantization`` entry (int4: its blocks and the bits a weight they
+    store: 4 + one float32 scale per block)."""
+    if precision != "int4":
+        return None
+    return {"op": "MatMulNBits", "bits": 4, "symmetric": True, "block_size": int4_block,
+            "bits_per_weight": 4 + 32 / int4_block}
+
+
 def convert(src: Path, dst: Path, precision: str, int4_block: int = INT4_BLOCK) -> None:
     data_name = dst.name + ".data"
     fused = any(n.op_type == "GroupQueryAttention"
@@ -60,8 +82,6 @@ def convert(src: Path, dst: Path, precision: str, int4_block: int = INT4_BLOCK) 
 
         if not fused:
             raise PrecisionError("int4 needs the fused graph")
-        if int4_block not in INT4_BLOCKS:
-            raise ValueError(f"int4 block size must be one of {INT4_BLOCKS}, got {int4_block}")
         q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=int4_block,
                                  is_symmetric=True, accuracy_level=4)
         q.process()
