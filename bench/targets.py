@@ -129,9 +129,11 @@ def _grpc(key: str, size: dict) -> list[dict]:
                       f"from 25-32 ms into a ~110-240 ms cell; the server's steps at "
                       f"{streams} rows take ~1.3x the in-process engine's measured at the same "
                       f"time (not the wake-ups, not the garbage collector): gRPC's, the "
-                      f"servicers' and the client's threads share the 2 cores with "
-                      f"onnxruntime's two; one event loop instead of a thread per stream "
-                      f"changed nothing (bench/results/profile-findings.md)"],
+                      f"servicers' and the client's threads (~17% of one core in a cell, "
+                      f"timed per thread) share the 2 cores with onnxruntime's two; one "
+                      f"event loop instead of a thread per stream, calls started together "
+                      f"behind a barrier, fewer wake-ups: no change "
+                      f"(bench/results/profile-findings.md)"],
                 f"{fmt(grpc.get('concurrent_tok_s'))} vs {fmt(gb)} tok/s"
                 f"{per_round(size, 'grpc', 'genai', f'{streams}x128')}")]
 
