@@ -1,9 +1,10 @@
 """Exact verification of a speculative draft, for greedy and for (seeded) sampling.
 
 A verification call feeds a sequence its last sampled token followed by its draft
-d_0 .. d_{K-1} and returns logits rows r_0 .. r_K: row j is exactly the row the plain path
-would compute after the sequence's tokens so far plus d_0 .. d_{j-1} (teacher forcing,
-``FusedLM.verify``). ``verify_row`` then walks the rows in order and, at each position,
+d_0 .. d_{K-1} and returns logits rows r_0 .. r_K: row j is the row the plain path would
+compute after the sequence's tokens so far plus d_0 .. d_{j-1} (teacher forcing,
+``FusedLM.verify``), up to floating-point rounding (the multi-token queries' attention rounds
+differently: up to 6.5e-7 of the largest logit on the export matrix). ``verify_row`` then walks the rows in order and, at each position,
 samples the token *the plain path would sample there*, with the engine's own per-step function
 (banned ids, penalties over the context so far — accepted draft tokens included — and
 ``model.sampling.next_token`` with the sequence's rng):
@@ -18,7 +19,10 @@ the rng is in the plain path's state; so t_j is the plain path's token. The walk
 first t_j != d_j (that token is the correction, the plain path's token too) or after the bonus
 token t_K. No row after the stop is used and no uniform is drawn for it, so the rng ends in the
 plain path's state after the same number of tokens. Hence greedy and seeded outputs are the
-same with and without speculation, and the next step continues identically.
+same with and without speculation, and the next step continues identically, as far as the rows
+agree: two candidates closer than that rounding (a greedy near-tie; for a seeded draw, two
+tokens whose probabilities swap places in its order) may resolve the other way
+(docs/speed.md measures how often).
 
 Why this is speculative rejection sampling (the output distribution is unchanged). For a
 deterministic draft (n-gram lookup: q(d_j) = 1), Leviathan et al.'s rule accepts d_j with
