@@ -4,8 +4,9 @@ A verification call feeds a sequence its last sampled token followed by its draf
 d_0 .. d_{K-1} and returns logits rows r_0 .. r_K: row j is the row the plain path would
 compute after the sequence's tokens so far plus d_0 .. d_{j-1} (teacher forcing,
 ``FusedLM.verify``), up to floating-point rounding (the multi-token queries' attention rounds
-differently: up to 6.5e-7 of the largest logit on the export matrix). ``verify_row`` then walks the rows in order and, at each position,
-samples the token *the plain path would sample there*, with the engine's own per-step function
+differently: up to 6.5e-7 of the largest logit on the export matrix). ``verify_row`` then
+walks the rows in order and, at each position, samples the token *the plain path would sample
+there*, with the engine's own per-step function
 (banned ids, penalties over the context so far — accepted draft tokens included — and
 ``model.sampling.next_token`` with the sequence's rng):
 
