@@ -33,11 +33,19 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
     return grpc.unary_unary_rpc_method_handler(abort, **kw)
 
 
+def bearer_ok(got: bytes, token: bytes) -> bool:
+    """Whether an ``authorization`` value carries ``token``: the scheme ``Bearer`` in any case
+    (RFC 7235), the token compared in constant time."""
+    parts = got.split(None, 1)
+    return len(parts) == 2 and parts[0].lower() == b"bearer" and \
+        hmac.compare_digest(parts[1].strip(), token)
+
+
 class BearerTokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise ValueError("an empty auth token would let everyone in")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token.encode()
 
     def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -53,7 +61,7 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
             return None
         if got is None:
             return _deny(handler, "missing credentials: send `authorization: Bearer <token>`")
-        if not hmac.compare_digest(got, self._expected):
+        if not bearer_ok(got, self._token):
             log.warning("rejected a call to %s: wrong token", method)
             return _deny(handler, "invalid credentials")
         return handler

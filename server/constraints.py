@@ -76,10 +76,14 @@ class ConstraintSpec:
     grammar: str = dataclasses.field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "grammar", _to_grammar(self.kind, self.value, self.field))
-        is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(self.grammar, None)
+        try:
+            grammar = _to_grammar(self.kind, self.value, self.field)
+            is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        except (ValueError, TypeError) as e:  # llguidance refusing what the checks let by
+            raise InvalidArgument(f"{self.field}: {_first_line(str(e))}") from None
         if is_error:
             raise InvalidArgument(f"{self.field}: {_first_line(msgs[0] if msgs else '')}")
+        object.__setattr__(self, "grammar", grammar)
 
     # Constructors named after the kinds (the same checks).
     @classmethod
@@ -117,7 +121,11 @@ def _to_grammar(kind: str, value, name: str) -> str:
                 raise InvalidArgument(f"{name}: the schema is not valid JSON ({e})") from None
         if not isinstance(value, (dict, bool)):
             raise InvalidArgument(f"{name} must be a JSON schema (an object)")
-        text = json.dumps(value, ensure_ascii=False)
+        if value is False:
+            raise InvalidArgument(f"{name} is the schema false, which no output matches")
+        if value is True:  # the schema true: any JSON value (llguidance takes objects only)
+            value = {}
+        text = _utf8(name, json.dumps(value, ensure_ascii=False))
         if len(text) > MAX_SCHEMA_CHARS:
             raise InvalidArgument(f"{name}: the schema has {len(text)} characters; the limit "
                                   f"is {MAX_SCHEMA_CHARS}")
@@ -143,6 +151,18 @@ def _check_str(name: str, value, limit: int, what: str) -> None:
     if len(value) > limit:
         raise InvalidArgument(f"{name}: the {what} has {len(value)} characters; the limit is "
                               f"{limit}")
+    _utf8(name, value)
+
+
+def _utf8(name: str, text: str) -> str:
+    """``text`` if UTF-8 can encode it: a JSON string may carry a lone surrogate
+    (``"\\ud800"``), which llguidance cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(f"{name} is not valid Unicode (a lone surrogate at character "
+                              f"{e.start}; UTF-8 text only)") from None
+    return text
 
 
 def _choice_grammar(choices, name: str) -> str:
@@ -153,6 +173,7 @@ def _choice_grammar(choices, name: str) -> str:
     for i, c in enumerate(choices):
         if not isinstance(c, str) or not c:
             raise InvalidArgument(f"{name}[{i}] must be a non-empty string")
+        _utf8(f"{name}[{i}]", c)
         if len(c) > MAX_CHOICE_CHARS:
             raise InvalidArgument(f"{name}[{i}] has {len(c)} characters; the limit is "
                                   f"{MAX_CHOICE_CHARS}")

@@ -11,7 +11,6 @@ Runs its own asyncio loop on one thread. Engine events reach the loop through an
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import ssl
@@ -31,11 +30,16 @@ from .http_logprobs import Logprobs
 from .http_sse import FINISH as _FINISH
 from .http_sse import SseChoices
 from .http_tokenize import add_tokenize_routes
-from .openai_requests import ApiError, Parsed, from_serving_error, parse_completion, parse_json
-from .tool_calls import added_token_ids
+from .auth import bearer_ok
+from .openai_requests import ApiError, Parsed, check_json_body, from_serving_error, \
+    parse_completion, parse_json
+from .tool_calls import added_token_ids, finish_reason
 from .validation import is_utf8
 
 log = logging.getLogger(__name__)
+# set on a request once its SSE response has started (aiohttp >= 3.11 types its keys)
+_STREAMING = web.RequestKey("kvserve_streaming", bool) if hasattr(web, "RequestKey") \
+    else "kvserve_streaming"
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
@@ -95,7 +99,7 @@ class OpenAIApi:
         self._added_tokens: dict[str, int] | None = None
         self.state, self.metrics = state, metrics
         self.model, self.created = model_name, created
-        self._auth = f"Bearer {auth_token}".encode() if auth_token else None
+        self._auth = auth_token.encode() if auth_token else None
 
     # --- app ---------------------------------------------------------------------------------
     def app(self, max_body: int) -> web.Application:
@@ -125,6 +129,13 @@ class OpenAIApi:
             if e.status < 400:
                 raise
             return _error(ApiError(e.status, e.reason or "error", code=str(e.status)))
+        except Exception:  # a bug: logged here, the caller told no more than that
+            if request.get(_STREAMING):  # the status line is out: nothing else can be sent
+                raise
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            self._count(request, "internal_error")
+            return _error(ApiError(500, "the server failed to handle the request (internal "
+                                        "error)", "server_error", code="internal_error"))
 
     @web.middleware
     async def _check_auth(self, request: web.Request, handler):
@@ -133,7 +144,7 @@ class OpenAIApi:
             if not got:
                 raise ApiError(401, "missing credentials: send `Authorization: Bearer <token>`",
                                code="invalid_api_key")
-            if not hmac.compare_digest(got, self._auth):
+            if not bearer_ok(got, self._auth):
                 log.warning("rejected an HTTP request to %s: wrong token", request.path)
                 raise ApiError(401, "invalid credentials", code="invalid_api_key")
         return await handler(request)
@@ -179,9 +190,7 @@ class OpenAIApi:
         return await self._generate(request, chat=True)
 
     async def _parse(self, request: web.Request, chat: bool, rid: str) -> Parsed:
-        if request.content_type not in ("application/json", ""):
-            raise ApiError(415, "send the request body as application/json",
-                           code="unsupported_media_type")
+        check_json_body(request.headers)
         raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge
 
         def work() -> Parsed:  # JSON, the template, the tokenizer, the matchers: off the loop
@@ -308,7 +317,7 @@ class OpenAIApi:
                      evs: list[TokenEvent]) -> dict:
         message, calls = tool_call_message(f.text, parsed.tool_format)
         return {"index": i, "message": message, "logprobs": self.lp.chat(evs, parsed.logprobs),
-                "finish_reason": "tool_calls" if calls else _FINISH[f.reason]}
+                "finish_reason": finish_reason(_FINISH[f.reason], bool(calls))}
 
     async def _collect(self, parsed: Parsed, rid: str, chat: bool, q: asyncio.Queue,
                        n: int, scored: list) -> web.Response:
@@ -347,6 +356,16 @@ class OpenAIApi:
                       q: asyncio.Queue, n: int, scored: list) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         await resp.prepare(request)
+        request[_STREAMING] = True
+        try:
+            return await self._stream_events(resp, parsed, rid, chat, q, n, scored)
+        except ConnectionResetError:  # the client went away (``_generate`` frees its slots)
+            log.info("%s: the client closed the stream", rid)
+            return resp
+
+    async def _stream_events(self, resp: web.StreamResponse, parsed: Parsed, rid: str,
+                             chat: bool, q: asyncio.Queue, n: int, scored: list
+                             ) -> web.StreamResponse:
         out = SseChoices(resp, parsed, rid, self.model, chat, n, self.lp)
         await out.start(scored)
         finishes: dict[int, FinishEvent] = {} if parsed.generate else \

@@ -9,6 +9,7 @@ import time
 
 from .domain import FinishEvent, FinishReason, TokenEvent
 from .tool_call_stream import ToolCallStream
+from .tool_calls import finish_reason
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop",
           FinishReason.STOP_SEQUENCE: "stop", FinishReason.STOP_TOKEN: "stop",
@@ -89,8 +90,7 @@ class SseChoices:
                 for d in self.tools[i].finish():
                     await self.send([{"index": i, "delta": d, "logprobs": None,
                                       "finish_reason": None}])
-                if self.tools[i].calls:
-                    reason = "tool_calls"
+                reason = finish_reason(reason, bool(self.tools[i].calls))
             await self.send([{"index": i, "delta": {}, "logprobs": None,
                               "finish_reason": reason}])
         else:

@@ -28,7 +28,8 @@ from kvserve.artifact.manifest import TOKENIZER_CONFIG
 
 from .chat_template import MAX_TEMPLATE_FILE_BYTES, SPECIAL_TOKENS
 from .domain import ServingError
-from .openai_requests import ApiError, bad, chat_messages, from_serving_error, parse_json
+from .openai_requests import ApiError, bad, chat_messages, check_json_body, \
+    from_serving_error, parse_json
 
 TOKENIZE_PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
 TOKENIZE_CHAT_FIELDS = {"model", "messages", "add_generation_prompt", "continue_final_message",
@@ -137,9 +138,7 @@ class TokenizeApi:
 
     async def _run(self, request: web.Request, work: Callable[[dict], dict]) -> web.Response:
         self.gate()
-        if request.content_type not in ("application/json", ""):
-            raise ApiError(415, "send the request body as application/json",
-                           code="unsupported_media_type")
+        check_json_body(request.headers)
         raw = await request.read()
 
         def call() -> dict:

@@ -42,6 +42,15 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
+def check_json_body(headers) -> None:
+    """A request body is JSON unless its ``Content-Type`` says otherwise (curl and some
+    clients send none)."""
+    ctype = headers.get("Content-Type")
+    if ctype is not None and ctype.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(415, "send the request body as application/json",
+                       code="unsupported_media_type")
+
+
 def bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
@@ -193,9 +202,12 @@ def _common(body: dict, allowed: set[str], model: str, lim: V.Limits) -> dict:
     if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
         raise bad("'stream_options' must be an object with at most 'include_usage'",
                   "stream_options")
+    stream = _bool(body, "stream", False)
+    if so is not None and not stream:
+        raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     c = lim.cfg
     return dict(
-        stream=_bool(body, "stream", False),
+        stream=stream,
         include_usage=_bool(so or {}, "include_usage", False),
         n=_int(body, "n", 1, 1, c.max_n),
         sampling=_sampling_values(body),
@@ -282,6 +294,7 @@ def parse_completion(body: dict, prompts: Prompts, model: str, rid: str) -> Pars
         if len(ids) * opts["n"] > lim.cfg.max_n:
             raise bad(f"{len(ids)} prompts x n={opts['n']} choices is over the limit of "
                       f"{lim.cfg.max_n} choices per request", "n")
+        check_echo_prompts(ids, lim)
         reqs = []
     parsed = Parsed(model, opts["stream"], opts["include_usage"], opts["n"], reqs,
                     n_lp is not None, n_lp or 0, spec=spec, echo=echo, prompt_logprobs=p_lp,
@@ -292,6 +305,18 @@ def parse_completion(body: dict, prompts: Prompts, model: str, rid: str) -> Pars
     if parsed.scores_prompt:
         check_prompt_scores(ids, lim)
     return parsed
+
+
+def check_echo_prompts(ids: list[list[int]], lim: V.Limits) -> None:
+    """The prompts of a request that generates nothing (max_tokens 0 with echo): each one
+    has a token and fits the context, as a generating request's must."""
+    for i, p in enumerate(ids):
+        which = "the prompt" if len(ids) == 1 else f"prompt {i}"
+        if not p:
+            raise bad(f"{which} is empty (it needs at least 1 token)", "prompt")
+        if len(p) > lim.max_context:
+            raise bad(f"{which} has {len(p)} tokens; the context limit is {lim.max_context}",
+                      "prompt")
 
 
 def check_prompt_scores(ids: list[list[int]], lim: V.Limits) -> None:

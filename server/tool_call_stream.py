@@ -95,18 +95,23 @@ class ToolCallStream:
             out += self._send(calls) if calls else [{"content": block}]
 
     def _llama3(self) -> list[dict]:
+        """The first non-space text decides, once: a call (``{`` or the python tag) is
+        captured to the end; anything else makes the whole output content, as
+        ``parse_tool_calls`` reads it."""
         if self._in_call:
             return []
-        s = self._buf.lstrip()
-        if not s:
-            return []
-        if s.startswith("{") or s.startswith(PY_TAG):
-            self._in_call = True
-            return []
-        if PY_TAG.startswith(s):
-            return []  # maybe the tag: wait
+        if not self._started:
+            s = self._buf.lstrip()
+            if not s:
+                return []
+            if s.startswith("{") or s.startswith(PY_TAG):
+                self._in_call = self._started = True
+                return []
+            if PY_TAG.startswith(s):
+                return []  # maybe the tag: wait
+            self._started = True
         text, self._buf = self._buf, ""
-        return [{"content": text}]
+        return [{"content": text}] if text else []
 
     def _mistral(self) -> list[dict]:
         if self._in_call:

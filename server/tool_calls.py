@@ -181,6 +181,9 @@ def _call(obj: Any, new_id: Callable[[], str]) -> dict | None:
 
 
 def _hermes(text: str, new_id) -> tuple[str | None, list[dict]] | None:
+    """Each ``<tool_call>`` block on its own: a valid one is a call, a malformed one, or one
+    cut off (no ``</tool_call>``: the length limit), stays in the content as written, so that
+    the calls a stream sent as their blocks closed are these (``tool_call_stream``)."""
     if "<tool_call>" not in text:
         return None
     calls, rest, pos = [], [], 0
@@ -190,11 +193,14 @@ def _hermes(text: str, new_id) -> tuple[str | None, list[dict]] | None:
         try:
             c = _call(json.loads(m.group(1).strip()), new_id)
         except ValueError:
-            return None
+            c = None
         if c is None:
-            return None
-        calls.append(c)
+            rest.append(m.group(0))
+        else:
+            calls.append(c)
     rest.append(text[pos:])
+    if not calls:
+        return None
     content = "".join(rest).strip()
     return content or None, calls
 
@@ -264,9 +270,16 @@ _PARSERS = {ToolFormat.HERMES: _hermes, ToolFormat.LLAMA3_JSON: _llama3,
 def parse_tool_calls(text: str, fmt: ToolFormat, new_id: Callable[[], str] = new_call_id
                      ) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished output. A malformed call (bad JSON, no name,
-    arguments not an object) leaves the whole text as content and no calls, as vLLM does;
-    with calls, ``finish_reason`` is ``"tool_calls"``."""
+    arguments not an object) leaves the whole text as content and no calls, as vLLM does,
+    except in Hermes' blocks, each of which stands alone (``_hermes``); with calls,
+    ``finish_reason`` is ``"tool_calls"`` (``finish_reason``)."""
     got = _PARSERS[fmt](text, new_id)
     if got is None:
         return text, []
     return got
+
+
+def finish_reason(reason: str, calls: bool) -> str:
+    """A chat choice's ``finish_reason``: ``"tool_calls"`` when it made calls and the model
+    ended its turn; a turn cut off (``"length"``) says so, whatever calls came before."""
+    return "tool_calls" if calls and reason == "stop" else reason

@@ -94,6 +94,21 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix' is not supported"),
     ("/v1/completions", {}, None, 400, "'prompt' is required"),
     ("/v1/completions", None, b"x" * (2 << 20), 413, "over the limit"),
+    # max_tokens 0 with echo generates nothing, and its prompt is held to the same bounds
+    ("/v1/completions", {"prompt": "", "echo": True, "max_tokens": 0, "logprobs": 1}, None, 400,
+     "the prompt is empty"),
+    ("/v1/completions", {"prompt": [[]], "echo": True, "max_tokens": 0}, None, 400,
+     "the prompt is empty"),
+    ("/v1/completions", {"prompt": ["a", "x y" * 700], "echo": True, "max_tokens": 0,
+                         "logprobs": 1, "stream": True}, None, 400, "prompt 1 has"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
+     "only allowed with 'stream': true"),
+    # JSON strings may carry lone surrogates; constraints refuse them like prompts do
+    ("/v1/completions", None, b'{"prompt": "a", "guided_regex": "\\ud800"}', 400,
+     "guided_regex is not valid Unicode"),
+    ("/v1/completions", None, b'{"prompt": "a", "guided_choice": ["\\udc00"]}', 400,
+     "guided_choice[0] is not valid Unicode"),
+    ("/v1/completions", {"prompt": "a", "guided_json": False}, None, 400, "no output matches"),
 ]
 
 
@@ -103,6 +118,44 @@ def test_bad_input_is_a_clear_4xx(chat_app, path, body, raw, status, fragment):
     got, msg = err(post(chat_app.http_port, path, body, raw=raw))
     assert (got, fragment in msg) == (status, True), msg
     assert "Traceback" not in msg
+
+
+def test_no_content_type_is_json_and_other_types_are_415(chat_app):
+    c = http.client.HTTPConnection("127.0.0.1", chat_app.http_port, timeout=60)
+    body = json.dumps({"prompt": "a", "max_tokens": 2}).encode()
+    c.request("POST", "/v1/completions", body=body, headers={
+        "Authorization": f"Bearer {TOKEN}"})  # (http.client adds no Content-Type)
+    r = c.getresponse()
+    assert r.status == 200, r.read()
+    assert json.loads(r.read())["usage"]["completion_tokens"] == 2
+    c.close()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        status, msg = err(post(chat_app.http_port, "/v1/completions", {"prompt": "a"},
+                               ctype=ctype))
+        assert status == 415 and "application/json" in msg
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER"])
+def test_the_bearer_scheme_is_case_insensitive(chat_app, scheme):
+    c = http.client.HTTPConnection("127.0.0.1", chat_app.http_port, timeout=60)
+    c.request("GET", "/v1/models", headers={"Authorization": f"{scheme} {TOKEN}"})
+    assert c.getresponse().status == 200
+    c.close()
+
+
+def test_an_unexpected_failure_is_a_json_500_without_internals(chat_app, monkeypatch):
+    import kvserve.server.http_api as H
+
+    def broken(*a, **k):
+        raise RuntimeError("/secret/internal/path")
+    monkeypatch.setattr(H, "parse_completion", broken)
+    status, body = post(chat_app.http_port, "/v1/completions", {"prompt": "a"})
+    e = json.loads(body)["error"]
+    assert status == 500 and e["code"] == "internal_error" and e["type"] == "server_error"
+    assert "secret" not in body.decode() and "Traceback" not in body.decode()
+    monkeypatch.undo()
+    status, body = post(chat_app.http_port, "/v1/completions", {"prompt": "a", "max_tokens": 2})
+    assert status == 200
 
 
 def test_server_keeps_serving_after_bad_input(chat_app):

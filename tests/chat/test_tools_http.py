@@ -73,6 +73,28 @@ def test_required_returns_a_valid_call(tools_oai, sampling):
                                                                json.loads(want.arguments))
 
 
+def test_a_reply_cut_off_mid_call_streams_as_it_answers(tools_oai):
+    """max_tokens ending inside the last call: streamed and not, the same calls (the complete
+    ones before the cut), the same content (the cut block as written) and finish "length"."""
+    kw = dict(model="artifact", messages=MSGS, tools=TOOLS, tool_choice="required",
+              temperature=0)
+    whole = tools_oai.chat.completions.create(max_tokens=300, logprobs=True, **kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    toks = [x.token for x in whole.choices[0].logprobs.content]
+    blocks = "".join(toks).count("<tool_call>")
+    opened = next(k for k in range(len(toks) + 1)
+                  if "".join(toks[:k]).count("<tool_call>") == blocks)
+    kw["max_tokens"] = opened + 3  # a few tokens into the last call
+    assert kw["max_tokens"] < len(toks) - 3
+    c = tools_oai.chat.completions.create(**kw).choices[0]
+    calls, content, reason = _streamed(tools_oai.chat.completions.create(stream=True, **kw))
+    assert c.finish_reason == reason == "length"
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []] == \
+        [(x["name"], x["arguments"]) for _, x in sorted(calls.items())]
+    assert (c.message.content or "").strip() == content.strip() and "<tool_call>" in content
+    assert len(calls) == len(whole.choices[0].message.tool_calls) - 1
+
+
 def test_named_function_is_the_one_called(tools_oai):
     for name in ("get_time", "get_weather"):
         r = tools_oai.chat.completions.create(

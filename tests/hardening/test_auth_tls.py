@@ -23,10 +23,14 @@ BAD = {
     "missing": (None, "missing credentials"),
     "wrong": ([("authorization", "Bearer nope-nope")], "invalid credentials"),
     "no-scheme": ([("authorization", TOKEN)], "invalid credentials"),
-    "lowercase-scheme": ([("authorization", f"bearer {TOKEN}")], "invalid credentials"),
-    "trailing-space": ([("authorization", f"Bearer {TOKEN} ")], "invalid credentials"),
+    "other-scheme": ([("authorization", f"Basic {TOKEN}")], "invalid credentials"),
+    "token-prefix": ([("authorization", f"Bearer {TOKEN[:-1]}")], "invalid credentials"),
+    "token-and-more": ([("authorization", f"Bearer {TOKEN} x")], "invalid credentials"),
     "other-header": ([("x-api-key", TOKEN)], "missing credentials"),
 }
+# RFC 7235: the scheme is case-insensitive; the space around the token is not part of it
+ALSO_GOOD = {"lowercase-scheme": [("authorization", f"bearer {TOKEN}")],
+             "spaces": [("authorization", f"BEARER   {TOKEN} ")]}
 CALLS = {
     "Generate": lambda s, md: collect(s.Generate(gen_request("x", 2), metadata=md, timeout=10)),
     "Score": lambda s, md: s.Score(pb.ScoreRequest(texts=["ab"]), metadata=md, timeout=10),
@@ -65,6 +69,12 @@ def test_every_method_refuses_bad_credentials(tls_server, method, bad):
 def test_every_method_serves_the_right_token(tls_server, method):
     _, ch, _, _ = tls_server
     assert CALLS[method](pb_grpc.InferenceStub(ch), GOOD)
+
+
+@pytest.mark.parametrize("form", ALSO_GOOD)
+def test_the_scheme_is_case_insensitive(tls_server, form):
+    _, ch, _, _ = tls_server
+    assert CALLS["ModelInfo"](pb_grpc.InferenceStub(ch), ALSO_GOOD[form])
 
 
 def test_health_is_exempt_reflection_is_not(tls_server):

@@ -182,10 +182,39 @@ def test_apply_bitmask_rows_and_float16():
     (lambda: ConstraintSpec.choice("yes"), "choice", "must be a list of strings"),
     (lambda: ConstraintSpec.choice(["a", 3]), r"choice\[1\]", "non-empty string"),
     (lambda: ConstraintSpec("xml", "<a/>", "structured"), "structured", "unknown constraint"),
+    (lambda: ConstraintSpec.json_schema(False), "json_schema", "no output matches"),
+    (lambda: ConstraintSpec.json_schema("false", field="guided_json"), "guided_json",
+     "no output matches"),
+    # a lone surrogate, legal in JSON text, in every kind (llguidance cannot encode it)
+    (lambda: ConstraintSpec.json_schema({"enum": ["\ud800"]}), "json_schema", "lone surrogate"),
+    (lambda: ConstraintSpec.json_schema({"properties": {"\udfff": {}}}), "json_schema",
+     "lone surrogate"),
+    (lambda: ConstraintSpec.regex("a\ud800"), "regex", "lone surrogate at character 1"),
+    (lambda: ConstraintSpec.lark('start: "\ud800"'), "grammar", "lone surrogate"),
+    (lambda: ConstraintSpec.choice(["ok", "\ud800"]), r"choice\[1\]", "lone surrogate"),
 ])
 def test_bad_specs_are_refused_naming_the_field(make, field, message):
     with pytest.raises(InvalidArgument, match=f"^{field}: .*{message}|^{field} .*{message}"):
         make()
+
+
+def test_the_schema_true_is_any_json_value(bpe, bpe_guide):
+    """``true`` is a JSON Schema (anything goes): the output is some JSON value."""
+    for seed in range(3):
+        model = RandomModel(bpe.to_str(), bpe.vocab_size, bpe_guide.eos_ids, seed)
+        text, _, _ = generate(bpe_guide, ConstraintSpec.json_schema("true"), model, seed != 1)
+        json.loads(text)
+
+
+def test_llguidance_refusals_are_invalid_argument(monkeypatch):
+    """Whatever llguidance raises on a value the checks let through is the caller's error."""
+    import kvserve.server.constraints as C
+
+    def boom(*a, **k):
+        raise ValueError("Expecting object schema to apply options")
+    monkeypatch.setattr(C.llg.LLMatcher, "grammar_from_regex", staticmethod(boom))
+    with pytest.raises(InvalidArgument, match="^guided_regex: Expecting object schema"):
+        ConstraintSpec.regex("a", field="guided_regex")
 
 
 def test_error_messages_are_one_bounded_line():

@@ -57,10 +57,23 @@ EXPECTED = {
                          [{"content": 'x <tool_call>{"name": 1}</tool_call> y'}], 0),
     "hermes-unterminated": (H, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}',
                             call_deltas(0, "add", '{"a": 1}'), 1),
+    # each block stands alone: a call sent when its block closed stays a call when a later
+    # block is malformed or cut off by the length limit (which then stays content)
+    "hermes-then-cut": (H, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+                           '\n<tool_call>\n{"name":',
+                        call_deltas(0, "add", '{"a": 1}') + [{"content": '<tool_call>\n{"name":'}],
+                        1),
+    "hermes-malformed-then-good": (H, '<tool_call>{"name": 1}</tool_call>\n<tool_call>'
+                                      '{"name": "add", "arguments": {"a": 1}}</tool_call>',
+                                   [{"content": '<tool_call>{"name": 1}</tool_call>\n'}]
+                                   + call_deltas(0, "add", '{"a": 1}'), 1),
     "llama3": (L, '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
                   '{"name": "f", "parameters": {}}',
                call_deltas(0, "add", '{"a": 1}') + call_deltas(1, "f", "{}"), 2),
     "llama3-text": (L, "  Paris is the capital.", [{"content": "  Paris is the capital."}], 0),
+    # the first text decides: JSON after it is content, however the tokens split it
+    "llama3-text-then-json": (L, 'Sure: {"name": "f", "parameters": {"a": 1}}',
+                              [{"content": 'Sure: {"name": "f", "parameters": {"a": 1}}'}], 0),
     "llama3-malformed": (L, '{"name": "add", "parameters": {"a": 1',
                          [{"content": '{"name": "add", "parameters": {"a": 1'}], 0),
     "mistral": (M, 'Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}]',
@@ -81,11 +94,13 @@ def test_deltas_exact_for_any_chunking(case):
         assert calls == n
 
 
-@pytest.mark.parametrize("case", [c for c in EXPECTED if EXPECTED[c][3]])
+@pytest.mark.parametrize("case", list(EXPECTED))
 def test_streamed_calls_equal_the_parse(case):
     fmt, text, _, _ = EXPECTED[case]
-    _, calls = parse_tool_calls(text, fmt, ids())
+    content, calls = parse_tool_calls(text, fmt, ids())
     got, _ = run(fmt, list(text))
+    streamed_text = "".join(d["content"] for d in got if "content" in d)
+    assert (streamed_text.strip() or None) == (content.strip() or None if content else None)
     streamed = [d["tool_calls"][0] for d in got if "tool_calls" in d]
     assert [(c["id"], c["function"]["name"]) for c in calls] == \
         [(d["id"], d["function"]["name"]) for d in streamed if "id" in d]

@@ -12,7 +12,7 @@ from decoding import RandomModel, generate
 from kvserve.server.domain import InvalidArgument
 from kvserve.server.tool_calls import (ToolFormat, added_token_ids, check_tool_choice,
                                        check_tools,
-                                       detect_format, new_call_id, parse_tool_calls,
+                                       detect_format, finish_reason, new_call_id, parse_tool_calls,
                                        tool_constraint)
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -168,6 +168,10 @@ A0 = {**A, "id": "call_0"}
     (H, '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>',
      '<tool_call>\n{"name": "add", "arguments": {"a": 1,}\n</tool_call>', []),
     (H, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    (H, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n<tool_call>\n'
+        '{"name": "get_wea', '<tool_call>\n{"name": "get_wea', [A0]),  # the second cut off
+    (H, '<tool_call>{"oops"}</tool_call> <tool_call>{"name": "add", "arguments": {"a": 1, '
+        '"b": 2}}</tool_call>', '<tool_call>{"oops"}</tool_call>', [A0]),
     (L, '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}', None, [W]),
     (L, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
         '{"name": "add", "parameters": {"a": 1, "b": 2}}', None, [W, A]),
@@ -191,3 +195,9 @@ def test_parse_keeps_unicode_and_nested_arguments():
             '"o": {"k": [1, null]}}}\n</tool_call>')
     _, calls = parse_tool_calls(text, H, ids())
     assert calls[0]["function"]["arguments"] == '{"q": "日本 \\"x\\"", "o": {"k": [1, null]}}'
+
+
+def test_finish_reason_says_a_cut_off_turn():
+    assert finish_reason("stop", True) == "tool_calls"
+    assert finish_reason("length", True) == "length"  # the calls before the cut still count
+    assert finish_reason("stop", False) == "stop"
