@@ -27,10 +27,13 @@ from .stopping import StopCheck, check_stop
 
 log = logging.getLogger(__name__)
 
-# what a request is told when its constraint cannot go on (only this request ends)
-CONSTRAINT_STUCK = ("the constraint cannot go on: it asks for text that is the content of one "
-                    "of the tokenizer's added tokens (e.g. '<tool_call>'), which the matcher "
-                    "takes only as that token; constrain with text the tokenizer spells out")
+# what a request is told when its constraint cannot go on (only this request ends): the
+# matcher's own reason, and the causes seen so far
+CONSTRAINT_STUCK = ("the constraint cannot go on: its matcher refused a token its own mask "
+                    "allowed ({reason}). Causes seen: text that is the content of one of the "
+                    "tokenizer's added tokens (e.g. '<tool_call>'), which the matcher takes only "
+                    "as that token (constrain with text the tokenizer spells out); a grammar "
+                    "past the matcher's limits (e.g. a repetition count in the millions)")
 
 
 def token_event(k: int, tok: int, raw: np.ndarray, attention, stop: StopCheck,
@@ -82,10 +85,11 @@ class OutputProcessor:
         if req.constraint is not None:
             try:
                 req.constraint.consume(tok)
-            except ConstraintViolation:  # (its own mask allowed it: an llguidance corner)
-                log.warning("request %s: the constraint refused token %d that its mask allowed",
-                            seq.handle.request_id, tok)
-                self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_STUCK)
+            except ConstraintViolation as e:  # (its own mask allowed it: llguidance corners)
+                log.warning("request %s: the constraint refused token %d that its mask allowed "
+                            "(%s)", seq.handle.request_id, tok, e)
+                self.finish(seq, FinishReason.CONSTRAINT,
+                            error=CONSTRAINT_STUCK.format(reason=e))
                 return StopCheck("", FinishReason.CONSTRAINT)
             complete = req.constraint.done
         seq.generated.append(tok)

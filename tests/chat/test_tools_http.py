@@ -245,4 +245,5 @@ def test_a_constraint_that_cannot_go_on_ends_its_own_request_only(tools_oai):
                                          extra_body={"structured_outputs":
                                                      {"regex": "<tool_call>[a-z]+"}})
         assert "added tokens" in str(e.value)
+        assert "is not allowed by the regex constraint" in str(e.value)  # the matcher's reason
         assert other.result().choices[0].finish_reason == "length"
