@@ -32,13 +32,23 @@ from .stopping import StopCheck, check_stop
 
 def _replay(tokens: Seq[int], st: StopParams, eos_ids: frozenset[int],
             detok: IncrementalDetokenizer, stopper: StopMatcher,
-            texts: list[str]) -> tuple[int, StopCheck | None]:
+            texts: list[str], matcher=None) -> tuple[int, StopCheck | None]:
     """Push ``tokens`` (generated indices 0..) through the detokenizer and stop matcher as
-    the output processor did when it emitted them; each token's released text goes to
-    ``texts``. Returns how many were replayed and, when one ended the stream, its check (the
-    replay stops there)."""
+    the output processor did when it emitted them, and through the constraint's ``matcher``
+    (llguidance's; None: unconstrained), whose completion ends a stream as it did then; each
+    token's released text goes to ``texts``. Returns how many were replayed and, when one
+    ended the stream, its check (the replay stops there). A token the matcher refuses raises
+    ``InvalidArgument``."""
     for k, tok in enumerate(tokens):
-        stop = check_stop(tok, k, st, eos_ids, detok, stopper)
+        complete = False
+        if matcher is not None:
+            if not matcher.consume_token(int(tok)):
+                raise InvalidArgument(f"resume.token_ids: token {k} ({int(tok)}) is not allowed "
+                                      f"by the request's constraint at that point; these are "
+                                      f"not the tokens this request delivered",
+                                      field="resume.token_ids")
+            complete = matcher.is_stopped()
+        stop = check_stop(tok, k, st, eos_ids, detok, stopper, complete)
         texts.append(stop.text)
         if stop.finish is not None:
             return k + 1, stop
@@ -47,7 +57,9 @@ def _replay(tokens: Seq[int], st: StopParams, eos_ids: frozenset[int],
 
 def check(req: GenerateRequest, token_bytes: TokenBytes, eos_ids: frozenset[int]) -> None:
     """Refuse a resume the server cannot continue identically: a sampled request without a
-    seed, more tokens than ``max_new_tokens``, tokens after one that ended the stream."""
+    seed, more tokens than ``max_new_tokens``, tokens after one that ended the stream (its
+    constraint's completion included), tokens its constraint does not allow (checked on a
+    copy of its matcher: the request's own is brought along in ``restore``)."""
     n = len(req.resume)
     if not n:
         return
@@ -58,8 +70,9 @@ def check(req: GenerateRequest, token_bytes: TokenBytes, eos_ids: frozenset[int]
     if n > req.stopping.max_new_tokens:
         raise InvalidArgument(f"resume.token_ids has {n} tokens; max_new_tokens is "
                               f"{req.stopping.max_new_tokens}", field="resume.token_ids")
+    matcher = req.constraint.matcher.deep_copy() if req.constraint is not None else None
     done, stop = _replay(req.resume, req.stopping, eos_ids, IncrementalDetokenizer(token_bytes),
-                         StopMatcher(req.stopping.stop), [])
+                         StopMatcher(req.stopping.stop), [], matcher)
     if done < n:
         raise InvalidArgument(f"resume.token_ids: token {done - 1} ended the stream "
                               f"({stop.finish.value}); nothing can follow it",
@@ -72,10 +85,15 @@ def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
     stream already: ``output`` (the OutputProcessor) has then finished it and it needs no
     prefill."""
     req = seq.req
-    done, stop = _replay(req.resume, req.stopping, eos_ids, seq.detok, seq.stopper, seq.text)
+    # (its matcher is brought to where the delivered tokens left it, ``check`` having
+    # replayed them on a copy: a refusal here would be a server bug, failing this request)
+    try:
+        done, stop = _replay(req.resume, req.stopping, eos_ids, seq.detok, seq.stopper,
+                             seq.text, req.constraint.matcher if req.constraint else None)
+    except InvalidArgument:
+        output.finish(seq, FinishReason.ERROR, error="internal error")
+        return True
     seq.generated.extend(req.resume[:done])
-    if req.constraint is not None:  # its matcher where the delivered tokens left it
-        req.constraint.consume_tokens(req.resume[:done])
     seq.first_index = done
     seq.prefill_ids = [*req.prompt_ids, *seq.generated]
     if seq.rng is not None:  # one draw per sampled step (model.sampling)

@@ -123,3 +123,34 @@ def test_a_drain_moves_the_streams_of_clients_that_resume(artifact, monkeypatch)
         drain.join(30)
         assert not drain.is_alive()
         ch.close()
+
+
+CHOICE = pb.Structured(choice=pb.ChoiceList(choices=["alpha", "beta"]))
+
+
+def test_a_stream_its_constraint_ended_resumes_to_its_complete_alone(stub):
+    """Every token of a stream the constraint completed: no new token (no end token after
+    it), the same Complete."""
+    req = gen_request(PROMPT, 16)
+    req.structured.CopyFrom(CHOICE)
+    chunks, done = collect(stub.Generate(req, timeout=60))
+    assert done.finish_reason == pb.FINISH_REASON_CONSTRAINT
+    tail, rdone = collect(stub.Generate(_resumed(req, [c.id for c in chunks]), timeout=60))
+    assert tail == [] and rdone.finish_reason == done.finish_reason
+    assert (rdone.generated_tokens, rdone.text) == (done.generated_tokens, done.text)
+
+
+def test_a_resume_its_constraint_refuses_fails_alone(stub):
+    """Tokens the constraint does not allow cannot be what this request delivered: refused
+    before the engine sees them (INVALID_ARGUMENT), and a stream decoding beside it goes on."""
+    bad = stub.Tokenize(pb.TokenizeRequest(texts=["zz"]), timeout=30).tokens[0].ids[:1]
+    req = gen_request(PROMPT, 8)
+    req.structured.CopyFrom(CHOICE)
+    other = stub.Generate(gen_request(PROMPT, 200), timeout=120)
+    first = next(other)
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stub.Generate(_resumed(req, bad), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not allowed by the request's constraint" in e.value.details()
+    rest, done = collect(other)
+    assert first.chunk.index == 0 and done.generated_tokens == 200
