@@ -58,8 +58,9 @@ def _tool_call(f: str, c: Any) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise InvalidArgument(f"{f}.function.arguments is not valid JSON") from None
+        except (ValueError, RecursionError):
+            raise InvalidArgument(f"{f}.function.arguments is not valid JSON (or nests too "
+                                  "deeply)") from None
     if not isinstance(args, dict):
         raise InvalidArgument(f"{f}.function.arguments must be a JSON object")
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}

@@ -79,6 +79,8 @@ class ConstraintSpec:
         try:
             grammar = _to_grammar(self.kind, self.value, self.field)
             is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        except RecursionError:  # (a dict given in code; JSON text is caught above)
+            raise InvalidArgument(f"{self.field}: the schema nests too deeply") from None
         except (ValueError, TypeError) as e:  # llguidance refusing what the checks let by
             raise InvalidArgument(f"{self.field}: {_first_line(str(e))}") from None
         if is_error:
@@ -117,6 +119,8 @@ def _to_grammar(kind: str, value, name: str) -> str:
                                       f"limit is {MAX_SCHEMA_CHARS}")
             try:
                 value = json.loads(value)
+            except RecursionError:
+                raise InvalidArgument(f"{name}: the schema nests too deeply") from None
             except ValueError as e:
                 raise InvalidArgument(f"{name}: the schema is not valid JSON ({e})") from None
         if not isinstance(value, (dict, bool)):

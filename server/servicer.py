@@ -151,6 +151,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if chat.chat_template_kwargs:
             try:
                 kwargs = json.loads(chat.chat_template_kwargs)
+            except RecursionError:
+                raise InvalidArgument("chat.chat_template_kwargs nests too deeply") from None
             except ValueError:
                 raise InvalidArgument("chat.chat_template_kwargs is not a JSON object") from None
         return self.prompts.chat([(m.role, m.content) for m in chat.messages], agp, cont,

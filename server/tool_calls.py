@@ -172,7 +172,7 @@ def _call(obj: Any, new_id: Callable[[], str]) -> dict | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -192,7 +192,7 @@ def _hermes(text: str, new_id) -> tuple[str | None, list[dict]] | None:
         pos = m.end()
         try:
             c = _call(json.loads(m.group(1).strip()), new_id)
-        except ValueError:
+        except (ValueError, RecursionError):  # (a model may write [[[[...)
             c = None
         if c is None:
             rest.append(m.group(0))
@@ -213,7 +213,7 @@ def _json_seq(s: str, sep: str) -> list | None:
             i += 1
         try:
             obj, i = dec.raw_decode(s, i)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         out.append(obj)
         j = i
@@ -255,7 +255,7 @@ def _mistral(text: str, new_id) -> tuple[str | None, list[dict]] | None:
             try:
                 objs.append({"name": name.strip(), "arguments": json.loads(args)} if sep
                             else None)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
     calls = [_call(o, new_id) for o in objs or []]
     if not calls or any(c is None for c in calls):

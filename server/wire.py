@@ -219,6 +219,17 @@ def _add(path: str, caps, counts, count) -> None:
 
 
 # --- the interceptor -----------------------------------------------------------------------------
+def _internal(method: str, context) -> None:
+    """An exception escaping a handler without a status set (``abort`` sets one): a bug. It
+    is logged here and the caller gets INTERNAL without its text (gRPC itself would answer
+    UNKNOWN with the exception's message)."""
+    if context.code() is not None:
+        return
+    log.exception("%s failed", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"{method.rsplit('/', 1)[-1]} failed (internal "
+                                            f"error)")  # (raises: gRPC logs nothing more)
+
+
 class WireInterceptor(grpc.ServerInterceptor):
     """Serves every method with raw bytes in and parses them itself (see the module doc).
     ``on_malformed(rpc)`` and ``on_refused(rpc)`` are metric hooks."""
@@ -256,13 +267,21 @@ class WireInterceptor(grpc.ServerInterceptor):
             inner_us = h.unary_stream
 
             def unary_stream(raw, context):
-                yield from inner_us(parse(raw, context), context)
+                try:
+                    yield from inner_us(parse(raw, context), context)
+                except Exception:
+                    _internal(method, context)
+                    raise
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **kw)
         inner_uu = h.unary_unary
 
         def unary_unary(raw, context):
-            return inner_uu(parse(raw, context), context)
+            try:
+                return inner_uu(parse(raw, context), context)
+            except Exception:
+                _internal(method, context)
+                raise
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, **kw)
 

@@ -246,3 +246,16 @@ def test_usage_reports_the_cached_prompt_tokens(oai, chat_stub, chat_artifact):
     _, done = collect(chat_stub.Generate(gen_request(ids, 3), metadata=AUTH))
     assert done.cached_prompt_tokens in (len(ids) - 1, blocks)
     assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_grpc_chat_template_kwargs_nested_too_deeply_is_invalid_argument(chat_stub):
+    import grpc
+
+    from kvserve.v1 import inference_pb2 as pb
+    req = pb.GenerateRequest(stopping=pb.StoppingOptions(max_new_tokens=2))
+    req.chat.messages.add(role="user", content="hi")
+    req.chat.chat_template_kwargs = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(grpc.RpcError) as e:
+        collect(chat_stub.Generate(req, metadata=AUTH, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat.chat_template_kwargs nests too deeply" in e.value.details()

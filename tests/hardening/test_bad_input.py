@@ -44,6 +44,12 @@ def raw(base: pb.GenerateRequest, field: int, inner_field: int) -> bytes:
     return base.SerializeToString() + bytes([(field << 3) | 2, len(inner)]) + inner
 
 
+def _structured(s: pb.Structured) -> pb.GenerateRequest:
+    r = G()
+    r.structured.CopyFrom(s)
+    return r
+
+
 def empty_ids_req():
     r = pb.GenerateRequest(stopping=pb.StoppingOptions(max_new_tokens=4))
     r.token_ids.SetInParent()
@@ -191,6 +197,9 @@ CASES = [
      IA, ["top_logprobs", "[0, 20]"]),
     ("score-text-over-max-chars", "Score", pb.ScoreRequest(texts=["a" * 200_001]), IA,
      ["text has 200001 characters", "the limit is 200000"]),
+    ("structured-schema-nested-too-deeply", "Generate", _structured(pb.Structured(
+        json_schema='{"items": ' * 5000 + "{}" + "}" * 5000)), IA,
+     ["structured.json_schema", "nests too deeply"]),
     # --- Tokenize / Detokenize ---
     ("tokenize-too-many-texts", "Tokenize", pb.TokenizeRequest(texts=["a"] * 1025), IA,
      ["at most 1024 texts"]),
@@ -303,3 +312,19 @@ def test_tiny_temperatures_are_greedy_and_the_lowest_penalty_is_accepted(hsrv):
     assert len(ids(repetition_penalty=0.01, temperature=1.0, seed=2)) == 12
     assert len(ids(repetition_penalty=100.0)) == 12
     assert hsrv.healthy()
+
+
+def test_a_handler_failure_is_internal_without_its_text(hsrv, monkeypatch):
+    """An exception no handler expected (a bug) is INTERNAL with a generic message, not
+    gRPC's UNKNOWN "Exception iterating responses: <its text>"; the server keeps serving."""
+    from kvserve.server.servicer import InferenceServicer
+
+    def broken(self, *a, **k):
+        raise RuntimeError("/secret/internal/path")
+    monkeypatch.setattr(InferenceServicer, "_generate_request", broken)
+    with pytest.raises(grpc.RpcError) as e:
+        call(hsrv.channel, "Generate", G())
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert e.value.details() == "Generate failed (internal error)"
+    monkeypatch.undo()
+    assert call(hsrv.channel, "Generate", G())[1].generated_tokens == 4 and hsrv.healthy()

@@ -201,3 +201,11 @@ def test_finish_reason_says_a_cut_off_turn():
     assert finish_reason("stop", True) == "tool_calls"
     assert finish_reason("length", True) == "length"  # the calls before the cut still count
     assert finish_reason("stop", False) == "stop"
+
+
+@pytest.mark.parametrize("fmt", [H, L, M])
+def test_a_reply_nesting_too_deeply_is_content(fmt):
+    deep = "[" * 50_000 + "]" * 50_000
+    text = {H: f"<tool_call>{deep}</tool_call>", L: "{" + f'"name": "f", "parameters": {deep}' + "}",
+            M: f"[TOOL_CALLS]{deep}"}[fmt]
+    assert parse_tool_calls(text, fmt, ids()) == (text, [])
