@@ -36,11 +36,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-attention", action="store_true",
                         help="skip the attention-diagnostics graph(s)")
     parser.add_argument("--parity-steps", type=int, default=64,
-                        help="decode steps in the parity gate (>= 64)")
+                        help="decode steps in the parity gate (>= 64; fewer where the "
+                             "model's context is shorter)")
     parser.add_argument("--eval-text", default=None,
                         help="text file for the perplexity figures (default: a stdlib source)")
     parser.add_argument("--max-ppl-increase", type=float, default=0.10,
-                        help="fail fp16/int8 when perplexity rises more than this fraction")
+                        help="fail fp16/int8/int4 when validation perplexity rises more than "
+                             "this fraction (without a tokenizer: on text the fp32 model "
+                             "samples)")
     parser.add_argument("--optimize", action="store_true",
                         help="store onnxruntime's offline-optimised graphs (tied to this "
                              "machine's CPU features and onnxruntime version; recorded in the "
@@ -92,7 +95,9 @@ def main(args) -> int:
               f"greedy agreement {q['token_agreement']:.3f}"
               + (f", blocks of {m['quantization']['block_size']}" if "quantization" in m else ""))
     if "perplexity" in m:
-        print("  perplexity: " + ", ".join(f"{k} {v:.4g}" for k, v in m["perplexity"].items()))
+        print("  perplexity: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float))
+                                           else f"{k}: {v}"
+                                           for k, v in m["perplexity"].items()))
     if key is not None:
         print(f"  signed: {Path(out) / 'manifest.sig'}")
     return 0

@@ -132,6 +132,8 @@ def save_attention_variant(main: Path, dst: Path) -> None:
         if node.op_type != "GroupQueryAttention":
             continue
         layer = int(node.name.split(".")[1].split("/")[0])
+        for a in [a for a in node.attribute if a.name == "qk_output"]:  # (an optimised graph
+            node.attribute.remove(a)  # lists every attribute, its default 0 included)
         node.attribute.append(helper.make_attribute("qk_output", 2))
         while len(node.output) < 3:
             node.output.append("")

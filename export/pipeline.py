@@ -52,8 +52,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     if parity_steps < 64:
         raise ValueError("the parity gate runs at least 64 decode steps")
     ckpt, out = Path(ckpt), Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    _check_out(ckpt, out, overwrite, eval_text)
     model = load_model(ckpt)
     cfg = model.cfg
     why_portable = [] if portable else fused.unsupported(cfg)
@@ -82,12 +81,13 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
 
         bar.set_description("parity fp32")
         prompts = parity_prompts(cfg.vocab_size)
+        parity_steps = _parity_steps(cfg, prompts, parity_steps)
         lm32 = load_lm(work, provider="cpu", threads=threads, attention=attention)
         report32 = measure(model, lm32, prompts, parity_steps, attention=attention)
         gate(report32, FP32_TOLERANCE)
         bar.update()
         parity = {"fp32": report32.to_dict()}
-        eval_ids = _eval_ids(ckpt, eval_text, cfg)
+        eval_ids, eval_source = _gate_ids(ckpt, eval_text, model, precision)
         ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
         del lm32
 
@@ -118,8 +118,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
             bar.update()
 
         bar.set_description("manifest")
-        content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids,
-                                    int4_block)
+        content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl,
+                                    (eval_ids, eval_source), int4_block)
         if why_portable:
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
@@ -139,6 +139,60 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     finally:
         bar.close()
     return out
+
+
+def _check_out(ckpt: Path, out: Path, overwrite: bool, eval_text) -> None:
+    """``out`` may be replaced only with ``overwrite``, and never when it is (or holds) the
+    checkpoint being exported, or is not a directory; ``eval_text`` needs a tokenizer."""
+    if eval_text is not None and not (ckpt / TOKENIZER).is_file():
+        raise ValueError(f"--eval-text needs the checkpoint's {TOKENIZER} to tokenize it")
+    c, o = ckpt.resolve(), out.resolve()
+    if o == c or o in c.parents:
+        raise ValueError(f"--out {out} is (or contains) the checkpoint {ckpt}; choose another "
+                         f"directory")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+
+
+def _parity_steps(cfg, prompts: list[list[int]], steps: int) -> int:
+    """The gate's decode steps: as asked, or as many as the model's context leaves after the
+    longest prompt (a model of 64 positions: 51)."""
+    room = cfg.max_seq_len - max(map(len, prompts)) - 1
+    if room < 8:
+        raise ValueError(f"the model's context ({cfg.max_seq_len} positions) is too short for "
+                         f"the parity gate (at least {max(map(len, prompts)) + 9})")
+    if room < steps:
+        log.info("parity gate: %d decode steps (the model's context is %d positions)", room,
+                 cfg.max_seq_len)
+    return min(steps, room)
+
+
+SAMPLED_EVAL_TOKENS = 512
+
+
+def _gate_ids(ckpt: Path, eval_text, model, precision: str) -> tuple[list[int] | None, str]:
+    """(the perplexity figures' token ids, where they come from): the text, else (int8 and
+    int4, which the figures gate, without a tokenizer) what the fp32 model samples."""
+    ids = _eval_ids(ckpt, eval_text, model.cfg)
+    if ids is None and precision in ("int8", "int4"):
+        return _sampled_ids(model, model.cfg), "sampled by the fp32 model"
+    return ids, "text"
+
+
+def _sampled_ids(model, cfg) -> list[int]:
+    """Evaluation ids for a checkpoint without a tokenizer: text the fp32 model samples itself
+    (temperature 1, seed 0), so a quantized export is still gated on its perplexity."""
+    from kvserve.model.generate import generate
+    from kvserve.model.sampling import SamplingParams
+
+    prompt = parity_prompts(cfg.vocab_size, batch=1)[0]
+    n = min(SAMPLED_EVAL_TOKENS, cfg.max_seq_len - len(prompt))
+    out = generate(model, [prompt], n, SamplingParams(temperature=1.0, seed=0)).tokens[0]
+    log.info("no %s: the perplexity gate reads %d tokens the fp32 model sampled", TOKENIZER,
+             len(out) + len(prompt))
+    return [*prompt, *out]
 
 
 def _specs(kind: str, attention: bool) -> tuple:
@@ -235,8 +289,9 @@ def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
     return ids if len(ids) >= 16 else None
 
 
-def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids,
+def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, evaluated,
                       int4_block: int) -> dict:
+    """``evaluated``: (the perplexity figures' token ids, their source)."""
     kv_dtype = _kv_dtype(kind, precision)
     content = {
         "producer": {"kvserve": kvserve.__version__, "torch": torch.__version__,
@@ -256,7 +311,8 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, eval_ids,
         "source": {"checkpoint": ckpt.name, "weights_sha256": sha256_file(ckpt / WEIGHTS)},
     }
     if ppl:
-        content["perplexity"] = {**ppl, "eval_tokens": len(eval_ids)}
+        content["perplexity"] = {**ppl, "eval_tokens": len(evaluated[0]),
+                                 "eval_source": evaluated[1]}
     if (quant := prec.quantization(precision, int4_block)) is not None:
         content["quantization"] = quant
     return content

@@ -43,8 +43,8 @@ def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig
                                        alternating)
         scalar = get_number(hf, "query_pre_attn_scalar", arch, 256)
         options.update(sandwich_norm=True, attn_scale=scalar ** -0.5,
-                       attn_softcap=get_number(hf, "attn_logit_softcapping", arch),
-                       final_softcap=get_number(hf, "final_logit_softcapping", arch),
+                       attn_softcap=get_number(hf, "attn_logit_softcapping", arch, 50.0),
+                       final_softcap=get_number(hf, "final_logit_softcapping", arch, 30.0),
                        sliding_window=window, sliding_layers=layers)
     return base_config(hf, arch, tie_default=True, acts=GELU_TANH[s.model_type], ffn="geglu_tanh",
                        act_key=act_key, extra=extra, **options)

@@ -26,8 +26,11 @@ SILU = ("silu", "swish")  # HF's "swish" is nn.SiLU
 
 def base_config(hf: dict[str, Any], arch: str, *, tie_default: bool = False,
                 acts: tuple[str, ...] = SILU, ffn: str = "swiglu",
-                act_key: str = "hidden_act", **options: Any) -> ModelConfig:
-    """The Llama-layout config; ``options`` are further ModelConfig fields of the family."""
+                act_key: str = "hidden_act", eps_default: float = 1e-6,
+                **options: Any) -> ModelConfig:
+    """The Llama-layout config; ``options`` are further ModelConfig fields of the family.
+    A key the config leaves out takes its family's transformers default (``eps_default``:
+    ``rms_norm_eps``'s)."""
     act = hf.get(act_key, acts[0])
     if act not in acts:
         raise refuse(arch, act_key, act, f"kvserve's {ffn} needs one of {list(acts)}")
@@ -51,19 +54,23 @@ def base_config(hf: dict[str, Any], arch: str, *, tie_default: bool = False,
         n_heads=n_heads, n_kv_heads=n_kv, d_ff=get_int(hf, "intermediate_size", arch),
         max_seq_len=max_pos, positions="rope",
         rope_base=theta, rope_scaling=scaling, norm="rmsnorm",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), norm_placement="pre", final_norm=True,
+        norm_eps=float(hf.get("rms_norm_eps", eps_default)), norm_placement="pre",
+        final_norm=True,
         ffn=ffn, tie_embeddings=tie(hf, arch, tie_default), dropout=0.0,
         explicit_head_dim=None if head_dim * n_heads == d else head_dim,
         **special_ids(hf, vocab, extra), extra=extra, **options)
 
 
-def sliding_default(hf: dict[str, Any], n_layers: int) -> tuple[Any, list[str] | None]:
+def sliding_default(hf: dict[str, Any], n_layers: int, window: int | None = 4096
+                    ) -> tuple[Any, list[str] | None]:
     """Qwen2 / Qwen3 / SmolLM3: a window only with use_sliding_window, on the layers from
-    max_window_layers on (unless layer_types says which)."""
+    max_window_layers on (unless layer_types says which); ``window``: the family's
+    ``sliding_window`` when the config leaves it out (transformers': Qwen 4096, SmolLM3
+    none)."""
     if not hf.get("use_sliding_window"):
         return None, None
     start = hf.get("max_window_layers", 0) or 0
-    return hf.get("sliding_window"), ["sliding_attention" if i >= start else "full_attention"
+    return hf.get("sliding_window", window), ["sliding_attention" if i >= start else "full_attention"
                                       for i in range(n_layers)]
 
 
@@ -76,10 +83,10 @@ def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig
         raise refuse(arch, "pretraining_tp", hf["pretraining_tp"])
     window, layers = None, None
     if mt == "mistral":
-        window, layers = layer_windows(hf, arch, n_layers, hf.get("sliding_window"),
+        window, layers = layer_windows(hf, arch, n_layers, hf.get("sliding_window", 4096),
                                        ["sliding_attention"] * n_layers)
     elif mt == "smollm3":
-        w, types = sliding_default(hf, n_layers)
+        w, types = sliding_default(hf, n_layers, window=None)
         window, layers = layer_windows({**hf, "layer_types": hf.get("layer_types") or types},
                                        arch, n_layers, w, None)
     rope_layers = None

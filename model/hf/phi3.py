@@ -28,7 +28,8 @@ def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig
     n_layers = get_int(hf, "num_hidden_layers", arch)
     window, layers = layer_windows(hf, arch, n_layers, hf.get("sliding_window"),
                                    ["sliding_attention"] * n_layers)
-    return base_config(hf, arch, sliding_window=window, sliding_layers=layers, extra=extra)
+    return base_config(hf, arch, sliding_window=window, sliding_layers=layers, extra=extra,
+                       eps_default=1e-5)
 
 
 state = llama_state

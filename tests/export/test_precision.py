@@ -35,7 +35,8 @@ def test_precision_artifact(store, precision):
     assert q["decode_steps"] >= 64 and q["batch"] == 3
 
     ppl = m["perplexity"]
-    assert set(ppl) == {"fp32", precision, "relative_change", "eval_tokens"}
+    assert set(ppl) == {"fp32", precision, "relative_change", "eval_tokens", "eval_source"}
+    assert ppl["eval_source"] == "text"
     assert ppl["eval_tokens"] >= 16 and ppl["fp32"] > 1.0 and ppl[precision] > 1.0
     assert ppl["relative_change"] == pytest.approx(ppl[precision] / ppl["fp32"] - 1.0)
     assert ppl["relative_change"] <= 0.10  # the default --max-ppl-increase
