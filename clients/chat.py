@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 
-from .common import add_connection_arguments, client_from_args, fail
+from .common import add_connection_arguments, client_from_args, fail, uint32, uint64
 
 PROMPT = "you> "
 _END = object()
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("sampling (defaults: greedy)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=None, help="(0, 1]; unset = off")
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
+    s.add_argument("--seed", type=uint64, default=None)
+    s.add_argument("--max-new-tokens", type=uint32, default=0, help="0 = the server's default")
     s.add_argument("--stats", action="store_true",
                    help="after each answer, a line with the finish reason and token counts")
 

@@ -13,6 +13,20 @@ if TYPE_CHECKING:  # the client (grpc) is imported when a command runs, not for 
 TOKEN_ENV = "KVSERVE_AUTH_TOKEN"
 
 
+def _unsigned_type(top: int):
+    def parse(text: str) -> int:
+        v = int(text)
+        if not 0 <= v <= top:
+            raise argparse.ArgumentTypeError(f"must be in [0, {top}], got {v}")
+        return v
+    parse.__name__ = "integer"  # (argparse's "invalid integer value" for non-numbers)
+    return parse
+
+
+uint32 = _unsigned_type((1 << 32) - 1)  # the proto's unsigned fields, for their flags
+uint64 = _unsigned_type((1 << 64) - 1)
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float = 60.0,
                              retries: int = 3, resume: bool = False) -> None:
     g = parser.add_argument_group("connection")

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from .common import add_connection_arguments, client_from_args, fail
+from .common import add_connection_arguments, client_from_args, fail, uint32, uint64
 
 if TYPE_CHECKING:  # grpc and the client load when the command runs, not for --help
     from .client import Completion, TokenEvent
@@ -47,21 +47,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--greedy", action="store_true",
                    help="the most likely token at every step (temperature 0)")
     s.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=None, help="0 = off")
+    s.add_argument("--top-k", type=uint32, default=None, help="0 = off")
     s.add_argument("--top-p", type=float, default=None, help="(0, 1]; unset = off")
     s.add_argument("--min-p", type=float, default=None, help="[0, 1]; 0 = off")
     s.add_argument("--repetition-penalty", type=float, default=None, help="unset = off (1)")
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None,
+    s.add_argument("--seed", type=uint64, default=None,
                    help="same seed + params + prompt = same tokens")
     st = parser.add_argument_group("stopping")
-    st.add_argument("--max-new-tokens", type=int, default=0, help="0 = the server's default")
-    st.add_argument("--min-new-tokens", type=int, default=0,
+    st.add_argument("--max-new-tokens", type=uint32, default=0, help="0 = the server's default")
+    st.add_argument("--min-new-tokens", type=uint32, default=0,
                     help="EOS / stop tokens / stop strings are ignored before this many tokens")
     st.add_argument("--stop", action="append", default=[], metavar="STRING",
                     help="stop string (repeatable); matched across tokens, trimmed from the text")
-    st.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID",
+    st.add_argument("--stop-token-id", action="append", type=uint32, default=[], metavar="ID",
                     help="stop token id (repeatable)")
     st.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     c = parser.add_argument_group("constrained output (at most one; the server enforces it)")
@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--grammar", default=None, metavar="FILE",
                    help="the output follows this Lark grammar (llguidance's dialect)")
     o = parser.add_argument_group("output")
-    o.add_argument("--logprobs", type=int, default=None, metavar="N",
+    o.add_argument("--logprobs", type=uint32, default=None, metavar="N",
                    help="show each chosen token's logprob and the N most likely alternatives "
                         "(0 = the chosen token only)")
     o.add_argument("--json", action="store_true",
@@ -175,7 +175,8 @@ def summary_line(c: Completion) -> str:
     rate = ""
     if c.generated_tokens > 1 and t.total_seconds > t.time_to_first_token_seconds:
         rate = f", {(c.generated_tokens - 1) / (t.total_seconds - t.time_to_first_token_seconds):.1f} tok/s"
-    return (f"[finish: {reason}; prompt {c.prompt_tokens} tokens, generated "
+    cached = f" ({c.cached_prompt_tokens} cached)" if c.cached_prompt_tokens else ""
+    return (f"[finish: {reason}; prompt {c.prompt_tokens} tokens{cached}, generated "
             f"{c.generated_tokens}; queue {t.queue_seconds * 1e3:.1f} ms, first token "
             f"{t.time_to_first_token_seconds * 1e3:.1f} ms, total {t.total_seconds * 1e3:.1f} ms"
             f"{rate}]" + (f" error: {c.error}" if c.error else ""))

@@ -83,6 +83,7 @@ class Completion:
     request_id: str
     error: str = ""
     tokens: list[TokenEvent] = field(default_factory=list)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
 
     type = "complete"
 
@@ -160,7 +161,7 @@ def completion(c: pb.Complete) -> Completion:
         prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
         timings=Timings(c.timings.queue_seconds, c.timings.time_to_first_token_seconds,
                         c.timings.total_seconds),
-        request_id=c.request_id, error=c.error)
+        request_id=c.request_id, error=c.error, cached_prompt_tokens=c.cached_prompt_tokens)
 
 
 def generate_events(msg: pb.GenerateResponse, logprobs: bool) -> list[GenerateEvent]:
@@ -213,6 +214,18 @@ def model_info(r: pb.ModelInfoResponse) -> ModelInfo:
 
 
 # --- requests -------------------------------------------------------------------------------------
+_UNSIGNED_MAX = {"seed": (1 << 64) - 1}  # the rest are uint32 fields
+
+
+def _unsigned(**values) -> None:
+    """The unsigned fields' values, each in its range (protobuf would say only "Value out of
+    range", naming none)."""
+    for name, v in values.items():
+        top = _UNSIGNED_MAX.get(name, (1 << 32) - 1)
+        if v is not None and not 0 <= v <= top:
+            raise ValueError(f"{name} must be in [0, {top}], got {v}")
+
+
 def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperature: float = 0.0,
                      top_k: int = 0, top_p: float | None = None, min_p: float = 0.0,
                      repetition_penalty: float | None = None, presence_penalty: float = 0.0,
@@ -233,6 +246,11 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
     them; an older server ignores it). At most one constraint: ``json_schema`` (a dict or its
     JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings) or ``grammar``
     (Lark): the output then validates against it."""
+    _unsigned(top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
+              min_new_tokens=min_new_tokens, top_logprobs=top_logprobs)
+    _unsigned(**{f"stop_token_ids[{i}]": v for i, v in enumerate(stop_token_ids)},
+              **{f"attention_layers[{i}]": v for i, v in enumerate(attention_layers)},
+              **{f"attention_heads[{i}]": v for i, v in enumerate(attention_heads)})
     s = pb.SamplingOptions(temperature=temperature, top_k=top_k, min_p=min_p,
                            presence_penalty=presence_penalty,
                            frequency_penalty=frequency_penalty)

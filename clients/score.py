@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # --- input ----------------------------------------------------------------------------------------
 def detect_format(path: Path) -> str:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # (a byte-order mark is not part of the data)
         for line in f:
             if line.strip():
                 try:
@@ -92,11 +92,19 @@ def detect_format(path: Path) -> str:
 
 
 def read_items(path: Path, fmt: str = "auto") -> list[Item]:
+    try:
+        return _read_items(path, fmt)
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start} of a line cannot be "
+                         f"decoded)") from None
+
+
+def _read_items(path: Path, fmt: str) -> list[Item]:
     if fmt == "auto":
         fmt = detect_format(path)
     items: list[Item] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:
         for n, line in enumerate(f, 1):
             line = line.rstrip("\r\n") if fmt == "text" else line
             if not line.strip():
@@ -114,6 +122,11 @@ def read_items(path: Path, fmt: str = "auto") -> list[Item]:
                                      f"\"text\"")
                 if isinstance(obj["id"], (dict, list)) or obj["id"] is None:
                     raise InputError(f"{path}:{n}: \"id\" must be a string or a number")
+                try:
+                    obj["text"].encode("utf-8")
+                except UnicodeEncodeError as e:  # (JSON can carry a lone surrogate)
+                    raise InputError(f"{path}:{n}: \"text\" is not valid Unicode (a lone "
+                                     f"surrogate at character {e.start})") from None
                 item = Item(obj["id"], obj["text"])
             if item.key in seen:
                 raise InputError(f"{path}:{n}: duplicate id {item.key} (first on line "

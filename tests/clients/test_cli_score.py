@@ -127,6 +127,24 @@ def test_bad_input_is_a_one_line_error(cli, target, tmp_path):
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "duplicate id 1" in err
 
 
+@pytest.mark.parametrize("data, fmt, want", [
+    (b'\xef\xbb\xbf{"id": "a", "text": "x"}\n{"id": "b", "text": "y"}\n', "jsonl", ["a", "b"]),
+    (b'{"id": 1, "text": "\\ud800 abc"}\n', None, "is not valid Unicode"),
+    (b"caf\xe9\n", None, "not UTF-8 text"),
+], ids=["bom-jsonl", "lone-surrogate", "latin-1"])
+def test_input_encodings(data, fmt, want, tmp_path):
+    """A byte-order mark is not data; text UTF-8 cannot carry is a one-line input error."""
+    from kvserve.clients.score import InputError, detect_format, read_items
+
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(data)
+    if isinstance(want, list):
+        assert detect_format(inp) == fmt and [i.id for i in read_items(inp)] == want
+    else:
+        with pytest.raises(InputError, match=want):
+            read_items(inp)
+
+
 def test_server_restart_midway_every_id_exactly_once(serve_process, artifact, tmp_path, target):
     # score_chunk_floats = vocab: prefill one token, then one decode call per token, so a run
     # takes long enough to restart the server in the middle of it

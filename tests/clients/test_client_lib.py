@@ -46,6 +46,11 @@ def test_generate_typed_events(target, artifact):
     assert done.text == "".join(t.text for t in tokens)
     assert 0 <= done.timings.time_to_first_token_seconds <= done.timings.total_seconds
     assert info.vocab_size == artifact.cfg.vocab_size and info.attention_available
+    prompt = "def cached(a, b):\n    return a + b\n" * 3  # whole blocks for the prefix cache
+    with Client(target) as c:
+        first = c.generate(prompt, max_new_tokens=2)
+        again = c.generate(prompt, max_new_tokens=2)
+    assert first.cached_prompt_tokens == 0 < again.cached_prompt_tokens < again.prompt_tokens
     assert info.limits["max_score_sequences"] >= 1
 
 

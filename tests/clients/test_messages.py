@@ -98,3 +98,20 @@ def test_messages_do_not_import_grpc():
                           "print('grpc' in sys.modules)"], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_new_tokens", -1), ("top_k", -5), ("seed", -1), ("seed", 1 << 64),
+    ("top_logprobs", 1 << 32), ("stop_token_ids", [3, -3])])
+def test_unsigned_fields_name_themselves(field, value):
+    with pytest.raises(ValueError, match=f"^{field}(\\[1\\])? must be in \\[0, "):
+        M.generate_request("x", **{field: value})
+
+
+@pytest.mark.parametrize("flag", ["--max-new-tokens", "--top-k", "--seed", "--logprobs"])
+def test_cli_unsigned_flags_name_themselves(flag, capsys):
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "x", flag, "-1"])
+    assert e.value.code == 2 and f"argument {flag}: must be in [0, " in capsys.readouterr().err
