@@ -206,6 +206,9 @@ def logprob_table(tokens: list[TokenEvent], n_top: int) -> str:
 def main(args: argparse.Namespace) -> int:
     from .client import KvserveError, TokenEvent
 
+    if not args.attention and (args.attention_layers is not None or args.attention_heads):
+        return fail("generate", ValueError("--attention-layers and --attention-heads choose "
+                                           "what --attention OUT.png draws: give --attention"))
     if args.attention:
         from .attention import require_matplotlib
         try:

@@ -115,3 +115,10 @@ def test_cli_unsigned_flags_name_themselves(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "x", flag, "-1"])
     assert e.value.code == 2 and f"argument {flag}: must be in [0, " in capsys.readouterr().err
+
+
+def test_cli_attention_choices_need_attention(capsys):
+    from kvserve.cli import main
+
+    assert main(["generate", "x", "--attention-layers", "0", "--server", "127.0.0.1:9"]) == 1
+    assert "give --attention" in capsys.readouterr().err
