@@ -361,6 +361,7 @@ class OpenAIApi:
             return await self._stream_events(resp, parsed, rid, chat, q, n, scored)
         except ConnectionResetError:  # the client went away (``_generate`` frees its slots)
             log.info("%s: the client closed the stream", rid)
+            self._count(request, "cancelled")
             return resp
 
     async def _stream_events(self, resp: web.StreamResponse, parsed: Parsed, rid: str,
