@@ -271,6 +271,8 @@ def prompt_logprobs(body: dict, lim: V.Limits) -> int | None:
 def parse_completion(body: dict, prompts: Prompts, model: str, rid: str) -> Parsed:
     lim = prompts.lim
     opts = _common(body, COMPLETION_FIELDS, model, lim)
+    if opts["stop"]:  # (matched in the output's text)
+        prompts.need_tokenizer("a stop string")
     echo = _bool(body, "echo", False)
     if body.get("suffix") is not None:
         raise bad("'suffix' is not supported by this server", "suffix")
@@ -300,6 +302,8 @@ def parse_completion(body: dict, prompts: Prompts, model: str, rid: str) -> Pars
                     n_lp is not None, n_lp or 0, spec=spec, echo=echo, prompt_logprobs=p_lp,
                     prompt_ids=ids, generate=generate)
     if echo:
+        if any(t is None for t in texts):
+            prompts.need_tokenizer("echo of a token-id prompt")
         parsed.prompt_texts = [t if t is not None else prompts.tok.decode(i)
                                for t, i in zip(texts, ids)]
     if parsed.scores_prompt:

@@ -20,18 +20,27 @@ class Prompts:
         self.tok, self.lim = tokenizer, limits
         self.template, self.template_error = template, template_error
 
+    def need_tokenizer(self, what: str) -> None:
+        """Refuse what needs the tokenizer when the model has none (FAILED_PRECONDITION /
+        HTTP 400)."""
+        if self.tok is None:
+            raise FailedPrecondition(f"{what} needs a tokenizer and this model has none (its "
+                                     f"artifact has no tokenizer.json): send token ids")
+
     def text(self, text: str, name: str = "text", add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids exactly as transformers' ``AutoTokenizer(text)`` gives them: the
         tokenizer.json's post-processor adds what the model expects (Llama 2/3's and Gemma's
         BOS; none for Qwen or the BPEs trained here). transformers >= 5 reads no
         ``add_bos_token``/``add_eos_token`` from tokenizer_config.json once a tokenizer.json
         exists, so neither does this (docs/structured-outputs.md, "Tokenization")."""
+        self.need_tokenizer("a text prompt")
         return self.tok.encode(V.check_text(name, text, self.lim),
                                add_special_tokens=add_special_tokens)
 
     def texts(self, texts: Sequence[str], limit: int, name=lambda i: f"texts[{i}]",
               add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts (Score, Tokenize), each checked, ``limit`` characters in all."""
+        self.need_tokenizer("text")
         checked = V.check_texts(texts, limit, self.lim, name)
         return self.tok.encode_batch(checked, add_special_tokens=add_special_tokens)
 

@@ -91,9 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.state.gate()
 
     def _need_tokenizer(self, what: str) -> None:
-        if self.tok is None:
-            raise FailedPrecondition(f"{what} needs a tokenizer and this model has none (its "
-                                     f"artifact has no tokenizer.json): send token ids")
+        self.prompts.need_tokenizer(what)
 
     def _prompt_ids(self, text: str | None, ids) -> list[int]:
         if text is not None:

@@ -23,7 +23,8 @@ def ids_only(artifact, tmp_path_factory):
     del m["files"]["tokenizer.json"]
     write_manifest(root, m)
     verify_artifacts(root)  # what `kvserve verify` runs: it passes
-    with running_app(type(artifact)(root, artifact.model, None, artifact.cfg)) as app:
+    with running_app(type(artifact)(root, artifact.model, None, artifact.cfg),
+                     http_port=0) as app:
         ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         from kvserve.v1 import inference_pb2_grpc
 
@@ -71,3 +72,34 @@ def test_text_rpcs_fail_precondition(ids_only, call, what):
     assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert e.value.details() == (f"{what} needs a tokenizer and this model has none (its "
                                  f"artifact has no tokenizer.json): send token ids")
+
+
+
+@pytest.mark.parametrize("body, status, what", [
+    ({"prompt": "def f():", "max_tokens": 4}, 400, "a text prompt"),
+    ({"prompt": [1, 2, 3], "max_tokens": 2, "echo": True, "logprobs": 1}, 400,
+     "echo of a token-id prompt"),
+    ({"prompt": [1, 2, 3], "max_tokens": 2, "stop": ["\n"]}, 400, "stop"),
+    ({"prompt": [1, 2, 3], "max_tokens": 2}, 200, None),
+], ids=["text", "echo-ids", "stop-string", "ids"])
+def test_http_text_needs_the_tokenizer(ids_only, body, status, what):
+    """Over HTTP as over gRPC: a 400 saying the model has no tokenizer, never a 500."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    app, _ = ids_only
+    req = urllib.request.Request(f"http://127.0.0.1:{app.http_port}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            got, out = r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        got, out = e.code, json.load(e)
+    assert got == status, out
+    if what is not None:
+        msg = out["error"]["message"]
+        assert what in msg and "needs a tokenizer" in msg, msg
+    else:
+        assert out["usage"]["completion_tokens"] == 2
