@@ -51,6 +51,12 @@ def setup_logging(level: str | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _missing(name: str, e: ModuleNotFoundError) -> int:
+    print(f"kvserve {name}: needs a package that is not installed ({e.name}); for "
+          f"training/export install the extra: pip install 'kvserve[train]'", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -68,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(COMMANDS[name][0])
     except ModuleNotFoundError as e:
-        print(f"kvserve {name}: needs a package that is not installed ({e.name}); for "
-              f"training/export install the extra: pip install 'kvserve[train]'", file=sys.stderr)
-        return 2
+        return _missing(name, e)
     parser = argparse.ArgumentParser(prog=f"kvserve {name}", description=COMMANDS[name][1])
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env "
                                                           "KVSERVE_LOG_LEVEL)")
@@ -79,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         return int(module.main(args) or 0)
+    except ModuleNotFoundError as e:  # (a command imports torch when it runs, not for --help)
+        if (e.name or "").split(".")[0] == "kvserve":
+            raise
+        return _missing(name, e)
     except KeyboardInterrupt:
         print(f"kvserve {name}: interrupted", file=sys.stderr)
         return 130

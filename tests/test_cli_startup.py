@@ -71,3 +71,16 @@ def test_version_is_the_package_version():
                            text=True, timeout=120)
         assert (r.returncode, r.stdout, r.stderr) == (0, f"kvserve {__version__}\n", "")
     assert probe("--version") == {"rc": 0, "heavy": []}
+
+
+@pytest.mark.parametrize("argv", [["export", "x", "--out", "y"], ["train", "--data", "x"],
+                                  ["import-hf", "x", "--out", "y"]])
+def test_a_command_without_torch_says_which_extra(argv):
+    """The server-only install has no torch: the commands that need it say so in one line."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from kvserve.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith("pip install 'kvserve[train]'")
+    assert len(r.stderr.strip().splitlines()) == 1
