@@ -96,6 +96,8 @@ def error_line(e: BaseException, server: str | None = None) -> str:
             hint = _HINTS.get(why.lower(), "")
             return f"{e.code.name}: cannot connect to {server} ({why}){hint}"
         msg = _RESOLVED.sub(server, msg)
+    if e.code.name == "UNAUTHENTICATED":  # the CLI's way of sending the token
+        msg += f" (give --token or set {TOKEN_ENV})"
     return msg
 
 

@@ -66,10 +66,14 @@ def id_key(i: Any) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="text file (one text per line) or JSONL with id and text")
     parser.add_argument("--out", required=True, help="output JSONL (appended to; resumable)")
-    parser.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto")
+    parser.add_argument("--format", choices=("auto", "text", "jsonl"), default="auto",
+                        help="input format (default %(default)s: JSONL when the first line is "
+                             "an object with \"text\"; blank lines of a text file are skipped)")
     parser.add_argument("--batch-size", type=int, default=8,
-                        help="texts per Score call (capped by the server's limit)")
-    parser.add_argument("--concurrency", type=int, default=2, help="Score calls in flight")
+                        help="texts per Score call (capped by the server's limit; default "
+                             "%(default)s)")
+    parser.add_argument("--concurrency", type=int, default=2,
+                        help="Score calls in flight (default %(default)s)")
     parser.add_argument("--per-token", action="store_true",
                         help="include every scored token's id and logprob")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

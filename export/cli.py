@@ -42,8 +42,8 @@ def add_arguments(parser) -> None:
                         help="text file for the perplexity figures (default: a stdlib source)")
     parser.add_argument("--max-ppl-increase", type=float, default=0.10,
                         help="fail fp16/int8/int4 when validation perplexity rises more than "
-                             "this fraction (without a tokenizer: on text the fp32 model "
-                             "samples)")
+                             "this fraction (default %(default)s; without a tokenizer: on "
+                             "text the fp32 model samples)")
     parser.add_argument("--optimize", action="store_true",
                         help="store onnxruntime's offline-optimised graphs (tied to this "
                              "machine's CPU features and onnxruntime version; recorded in the "

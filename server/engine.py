@@ -145,8 +145,8 @@ class Engine:
                 log.info("prefix cache off: %s", why or "the cap holds no block")
             else:
                 prefix = PrefixCache(pool)
-                log.info("prefix cache: %d blocks of %d tokens, %.1f MB", pool.n_blocks,
-                         pool.block_tokens, pool.nbytes / 1e6)
+                log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", pool.n_blocks,
+                         pool.block_tokens, pool.nbytes / (1 << 20))
         if spec_tokens:
             if getattr(self.lm, "supports_verify", False):
                 spec = Speculator(spec_tokens, self.cfg.max_seq_len, self.costs)

@@ -149,7 +149,7 @@ def test_tls_ca_and_token(cli, artifact, tmp_path):
         rc, out, err = cli(*args)
         assert rc == 1 and err.strip().splitlines() == [
             "kvserve generate: UNAUTHENTICATED: missing credentials: send "
-            "`authorization: Bearer <token>`"]
+            "`authorization: Bearer <token>` (give --token or set KVSERVE_AUTH_TOKEN)"]
         rc, out, err = cli(*args[:4], "--max-new-tokens", "3", "--retries", "0")  # plaintext
         assert rc == 1 and len(err.strip().splitlines()) == 1 and "UNAVAILABLE" in err
 
