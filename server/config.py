@@ -139,7 +139,7 @@ class ServerConfig:
                                           "than the logits cap's",
                                      limit="not an error: longer prompts are prefilled in "
                                            "chunks")
-    prefix_cache_mb: int = _opt(256, "memory (MB) of the prefix cache: KV rows of earlier "
+    prefix_cache_mb: int = _opt(256, "memory (MiB) of the prefix cache: KV rows of earlier "
                                      "prompts and outputs, reused by requests that begin with "
                                      "the same tokens (allocated once; 0 = off)",
                                 limit="not an error: least recently used blocks are evicted")
