@@ -52,7 +52,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     if parity_steps < 64:
         raise ValueError("the parity gate runs at least 64 decode steps")
     ckpt, out = Path(ckpt), Path(out)
-    _check_out(ckpt, out, overwrite, eval_text)
+    _check_args(ckpt, out, overwrite, eval_text)
     model = load_model(ckpt)
     cfg = model.cfg
     why_portable = [] if portable else fused.unsupported(cfg)
@@ -141,7 +141,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     return out
 
 
-def _check_out(ckpt: Path, out: Path, overwrite: bool, eval_text) -> None:
+def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text) -> None:
     """``out`` may be replaced only with ``overwrite``, and never when it is (or holds) the
     checkpoint being exported, or is not a directory; ``eval_text`` needs a tokenizer."""
     if eval_text is not None and not (ckpt / TOKENIZER).is_file():

@@ -29,6 +29,7 @@ import llguidance.numpy as lln
 import numpy as np
 
 from .domain import InvalidArgument
+from .validation import check_unicode
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SCHEMA_CHARS = 64 * 1024   # a JSON schema, serialized
@@ -79,7 +80,7 @@ class ConstraintSpec:
         try:
             grammar = _to_grammar(self.kind, self.value, self.field)
             is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
-        except RecursionError:  # (a dict given in code; JSON text is caught above)
+        except RecursionError:  # (a schema's JSON text or dict nesting past Python's stack)
             raise InvalidArgument(f"{self.field}: the schema nests too deeply") from None
         except (ValueError, TypeError) as e:  # llguidance refusing what the checks let by
             raise InvalidArgument(f"{self.field}: {_first_line(str(e))}") from None
@@ -119,8 +120,6 @@ def _to_grammar(kind: str, value, name: str) -> str:
                                       f"limit is {MAX_SCHEMA_CHARS}")
             try:
                 value = json.loads(value)
-            except RecursionError:
-                raise InvalidArgument(f"{name}: the schema nests too deeply") from None
             except ValueError as e:
                 raise InvalidArgument(f"{name}: the schema is not valid JSON ({e})") from None
         if not isinstance(value, (dict, bool)):
@@ -129,7 +128,7 @@ def _to_grammar(kind: str, value, name: str) -> str:
             raise InvalidArgument(f"{name} is the schema false, which no output matches")
         if value is True:  # the schema true: any JSON value (llguidance takes objects only)
             value = {}
-        text = _utf8(name, json.dumps(value, ensure_ascii=False))
+        text = check_unicode(name, json.dumps(value, ensure_ascii=False))
         if len(text) > MAX_SCHEMA_CHARS:
             raise InvalidArgument(f"{name}: the schema has {len(text)} characters; the limit "
                                   f"is {MAX_SCHEMA_CHARS}")
@@ -155,18 +154,8 @@ def _check_str(name: str, value, limit: int, what: str) -> None:
     if len(value) > limit:
         raise InvalidArgument(f"{name}: the {what} has {len(value)} characters; the limit is "
                               f"{limit}")
-    _utf8(name, value)
-
-
-def _utf8(name: str, text: str) -> str:
-    """``text`` if UTF-8 can encode it: a JSON string may carry a lone surrogate
-    (``"\\ud800"``), which llguidance cannot take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgument(f"{name} is not valid Unicode (a lone surrogate at character "
-                              f"{e.start}; UTF-8 text only)") from None
-    return text
+    check_unicode(name, value)  # (a JSON string may carry a lone surrogate: llguidance
+    # cannot take it)
 
 
 def _choice_grammar(choices, name: str) -> str:
@@ -177,7 +166,7 @@ def _choice_grammar(choices, name: str) -> str:
     for i, c in enumerate(choices):
         if not isinstance(c, str) or not c:
             raise InvalidArgument(f"{name}[{i}] must be a non-empty string")
-        _utf8(f"{name}[{i}]", c)
+        check_unicode(f"{name}[{i}]", c)
         if len(c) > MAX_CHOICE_CHARS:
             raise InvalidArgument(f"{name}[{i}] has {len(c)} characters; the limit is "
                                   f"{MAX_CHOICE_CHARS}")

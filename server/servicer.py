@@ -90,13 +90,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _gate(self) -> None:
         self.state.gate()
 
-    def _need_tokenizer(self, what: str) -> None:
-        self.prompts.need_tokenizer(what)
-
     def _prompt_ids(self, text: str | None, ids) -> list[int]:
         if text is not None:
-            self._need_tokenizer("a text prompt")
-            return self.prompts.text(text)
+            return self.prompts.text(text)  # (refused there when the model has no tokenizer)
         return self.prompts.ids(ids)
 
     @staticmethod
@@ -120,7 +116,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    r.token_ids.ids if which == "token_ids" else None)
         s, st, o = r.sampling, r.stopping, r.response
         if st.stop:
-            self._need_tokenizer("a stop string (use stop_token_ids)")
+            self.prompts.need_tokenizer("a stop string (use stop_token_ids)")
         sampling = RM.sampling_params(RM.from_grpc(s), self.lim)
         stopping = V.stop_params(prompt_len=len(ids), max_new_tokens=st.max_new_tokens,
                                  min_new_tokens=st.min_new_tokens, stop=list(st.stop),
@@ -308,7 +304,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _score_texts(self, texts) -> list[list[int]]:
         """Characters checked before anything is tokenized; tokenized one text at a time,
         stopping as soon as the call is over its token budget."""
-        self._need_tokenizer("a text prompt")
+        self.prompts.need_tokenizer("a text prompt")
         texts = V.check_texts(texts, V.score_chars(self.lim.cfg), self.lim,
                               name=lambda i: "text", what="texts: ")
         budget, seqs, total = self.lim.cfg.max_score_tokens, [], 0
@@ -324,7 +320,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def Tokenize(self, request, context):  # noqa: N802
         try:
             self._gate()
-            self._need_tokenizer("Tokenize")
+            self.prompts.need_tokenizer("Tokenize")
             if len(request.texts) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} texts per call")
             # checked and tokenized as transformers' AutoTokenizer (BOS/EOS per the
@@ -338,7 +334,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def Detokenize(self, request, context):  # noqa: N802
         try:
             self._gate()
-            self._need_tokenizer("Detokenize")
+            self.prompts.need_tokenizer("Detokenize")
             if len(request.token_ids) > MAX_TOKENIZE_TEXTS:
                 raise InvalidArgument(f"at most {MAX_TOKENIZE_TEXTS} sequences per call")
             total = sum(len(s.ids) for s in request.token_ids)

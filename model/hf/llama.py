@@ -70,8 +70,8 @@ def sliding_default(hf: dict[str, Any], n_layers: int, window: int | None = 4096
     if not hf.get("use_sliding_window"):
         return None, None
     start = hf.get("max_window_layers", 0) or 0
-    return hf.get("sliding_window", window), ["sliding_attention" if i >= start else "full_attention"
-                                      for i in range(n_layers)]
+    types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+    return hf.get("sliding_window", window), types
 
 
 def config(hf: dict[str, Any], s: Support, extra: dict[str, Any]) -> ModelConfig:

@@ -206,6 +206,7 @@ def test_finish_reason_says_a_cut_off_turn():
 @pytest.mark.parametrize("fmt", [H, L, M])
 def test_a_reply_nesting_too_deeply_is_content(fmt):
     deep = "[" * 50_000 + "]" * 50_000
-    text = {H: f"<tool_call>{deep}</tool_call>", L: "{" + f'"name": "f", "parameters": {deep}' + "}",
+    text = {H: f"<tool_call>{deep}</tool_call>",
+            L: "{" + f'"name": "f", "parameters": {deep}' + "}",
             M: f"[TOOL_CALLS]{deep}"}[fmt]
     assert parse_tool_calls(text, fmt, ids()) == (text, [])
