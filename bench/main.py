@@ -471,6 +471,9 @@ def main(args: argparse.Namespace) -> int:
     if args.render_only:  # committed files are rewritten only when asked
         print(render_all(out, doc, write_table=args.update_committed or not committed))
         return 0
+    from kvserve.export.logs import quiet_exporter_logs
+
+    quiet_exporter_logs()  # (artifacts are exported when missing: the quantizers narrate)
     log.info("results go to %s%s", out, "" if committed else
              " (the committed bench/results and docs/benchmarks.md are untouched; "
              "--update-committed writes them)")

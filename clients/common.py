@@ -23,8 +23,9 @@ def _unsigned_type(top: int):
     return parse
 
 
-uint32 = _unsigned_type((1 << 32) - 1)  # the proto's unsigned fields, for their flags
-uint64 = _unsigned_type((1 << 64) - 1)
+UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1  # the proto's unsigned fields
+uint32 = _unsigned_type(UINT32_MAX)  # (their flags)
+uint64 = _unsigned_type(UINT64_MAX)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser, *, timeout: float = 60.0,

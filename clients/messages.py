@@ -19,6 +19,8 @@ from typing import Any, Sequence, Union
 
 from kvserve.v1 import inference_pb2 as pb
 
+from .common import UINT32_MAX, UINT64_MAX
+
 FINISH_REASONS = {
     pb.FINISH_REASON_UNSPECIFIED: "unspecified",
     pb.FINISH_REASON_LENGTH: "length",
@@ -214,14 +216,14 @@ def model_info(r: pb.ModelInfoResponse) -> ModelInfo:
 
 
 # --- requests -------------------------------------------------------------------------------------
-_UNSIGNED_MAX = {"seed": (1 << 64) - 1}  # the rest are uint32 fields
+_UNSIGNED_MAX = {"seed": UINT64_MAX}  # the rest are uint32 fields
 
 
 def _unsigned(**values) -> None:
     """The unsigned fields' values, each in its range (protobuf would say only "Value out of
     range", naming none)."""
     for name, v in values.items():
-        top = _UNSIGNED_MAX.get(name, (1 << 32) - 1)
+        top = _UNSIGNED_MAX.get(name, UINT32_MAX)
         if v is not None and not 0 <= v <= top:
             raise ValueError(f"{name} must be in [0, {top}], got {v}")
 

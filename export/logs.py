@@ -25,6 +25,8 @@ def quiet_exporter_logs() -> None:
     # the exporter's graph passes narrate every rewrite at INFO
     for name in ("onnx_ir", "onnxscript"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # onnxruntime's quantizer logs INFO lines per tensor through the root logger itself
-    # (logging.info), so no logger level reaches it: filter its records
+    # onnxruntime's quantizers log INFO lines per tensor: some through the root logger itself
+    # (logging.info), which no logger level reaches (so: a filter of their records), some
+    # through their module's logger (MatMulNBitsQuantizer: int4, int8 in blocks)
     logging.getLogger().addFilter(quiet_quantizer)
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
