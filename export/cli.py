@@ -12,7 +12,7 @@ from .logs import quiet_exporter_logs
 
 # == pipeline.PRECISIONS (tests/test_cli_startup.py checks); not imported from there: torch
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
-INT4_BLOCKS = (16, 32, 64, 128, 256)  # == precision.INT4_BLOCKS (tests check)
+BLOCKS = (16, 32, 64, 128, 256)  # == precision.BLOCKS (tests check)
 
 
 def add_arguments(parser) -> None:
@@ -23,12 +23,19 @@ def add_arguments(parser) -> None:
                              "(CPU, integer MatMuls: int8 weights per output column, "
                              "activations quantized per row), int4 (CPU, 4-bit weight blocks: "
                              "MatMulNBits; fused graphs)")
-    parser.add_argument("--int4-block-size", type=int, default=None, choices=INT4_BLOCKS,
+    parser.add_argument("--int4-block-size", type=int, default=None, choices=BLOCKS,
                         metavar="N", help="int4: weights per 4-bit block, one float32 scale "
                                           "each (16, 32 (default), 64, 128, 256): 64 stores "
                                           "4.5 bits a weight (llama.cpp q4_0's size), 128 "
                                           "4.25; larger blocks decode faster and move the "
                                           "logits a little more")
+    parser.add_argument("--int8-block-size", type=int, default=None, choices=BLOCKS,
+                        metavar="N", help="int8 in 8-bit MatMulNBits blocks of N weights, one "
+                                          "float32 scale each (fused graphs; 64 stores 8.5 "
+                                          "bits a weight, llama.cpp q8_0's size): faster at "
+                                          "batch 1, slower batched, logits move a little with "
+                                          "the batch. Default: per-row int8 in standard ops, "
+                                          "the same logits in any batch")
     parser.add_argument("--portable", action="store_true",
                         help="standard ONNX ops only (prefill + decode graphs with the optimum "
                              "/ genai I/O names) for other runtimes, instead of the fused "
@@ -74,7 +81,8 @@ def main(args) -> int:
                                eval_text=args.eval_text, max_ppl_increase=args.max_ppl_increase,
                                optimize=args.optimize,
                                overwrite=args.overwrite, threads=args.threads,
-                               int4_block=args.int4_block_size)
+                               int4_block=args.int4_block_size,
+                               int8_block=args.int8_block_size)
     except (ParityError, PrecisionError) as e:
         print(f"kvserve export: FAILED: {e}; no artifact written", file=sys.stderr)
         return 1

@@ -44,13 +44,19 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                      attention: bool = True, portable: bool = False, parity_steps: int = 64,
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
                      optimize: bool = False, overwrite: bool = False, progress: bool = True,
-                     threads: int | None = None, int4_block: int | None = None) -> Path:
-    """``int4_block``: weights per block of an int4 export (None: ``precision.INT4_BLOCK``)."""
+                     threads: int | None = None, int4_block: int | None = None,
+                     int8_block: int | None = None) -> Path:
+    """``int4_block``: weights per block of an int4 export (None: ``precision.INT4_BLOCK``);
+    ``int8_block``: an int8 export in 8-bit MatMulNBits blocks of that many weights (None:
+    per-row int8 in standard ops)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    int4_block = prec.int4_block_size(precision, int4_block)
+    block = prec.block_size(precision, int4_block, int8_block)
     if parity_steps < 64:
         raise ValueError("the parity gate runs at least 64 decode steps")
+    if not 0.0 <= max_ppl_increase < float("inf"):
+        raise ValueError(f"--max-ppl-increase is a fraction >= 0 (0.10: at most 10% above "
+                         f"fp32), got {max_ppl_increase}")
     ckpt, out = Path(ckpt), Path(out)
     _check_args(ckpt, out, overwrite, eval_text)
     model = load_model(ckpt)
@@ -60,8 +66,9 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     if why_portable:
         log.warning("exporting the portable graphs: the fused graph cannot express this model "
                     "(%s)", "; ".join(why_portable))
-    if kind == PORTABLE and precision == "int4":
-        raise ValueError("--precision int4 needs the fused graph (MatMulNBits); this export is "
+    if kind == PORTABLE and block is not None:
+        what = "--precision int4" if precision == "int4" else "--int8-block-size"
+        raise ValueError(f"{what} needs the fused graph (MatMulNBits); this export is "
                          "portable (" + ("; ".join(why_portable) or "--portable") + ")")
     specs = _specs(kind, attention)
     transformed = precision != "fp32" or optimize
@@ -91,7 +98,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         ppl = {"fp32": prec.perplexity(lm32, eval_ids, cfg.max_seq_len)} if eval_ids else {}
         del lm32
 
-        machine = _transform(kind, specs, work, tmp, precision, optimize, bar, int4_block)
+        machine = _transform(kind, specs, work, tmp, precision, optimize, bar, block)
         shutil.rmtree(work)
 
         if transformed:
@@ -119,7 +126,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
 
         bar.set_description("manifest")
         content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl,
-                                    (eval_ids, eval_source), int4_block)
+                                    (eval_ids, eval_source), block)
         if why_portable:
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
@@ -222,7 +229,7 @@ def _write_graphs(model, kind: str, specs, work: Path, bar) -> None:
 
 
 def _transform(kind: str, specs, work: Path, tmp: Path, precision: str, optimize: bool,
-               bar, int4_block: int) -> dict | None:
+               bar, block: int | None) -> dict | None:
     """Move (fp32) or convert the graphs from ``work`` into ``tmp``; optionally optimise."""
     machine = None
     first = specs[0]
@@ -235,7 +242,7 @@ def _transform(kind: str, specs, work: Path, tmp: Path, precision: str, optimize
                 p.rename(tmp / p.name)
         else:
             bar.set_description(f"{precision} {spec.name}")
-            prec.convert(src, dst, precision, int4_block)
+            prec.convert(src, dst, precision, block)
         if optimize:
             bar.set_description(f"optimize {spec.name}")
             machine = prec.optimize_offline(dst)
@@ -290,7 +297,7 @@ def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
 
 
 def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, evaluated,
-                      int4_block: int) -> dict:
+                      block: int | None) -> dict:
     """``evaluated``: (the perplexity figures' token ids, their source)."""
     kv_dtype = _kv_dtype(kind, precision)
     content = {
@@ -313,7 +320,7 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, evaluated,
     if ppl:
         content["perplexity"] = {**ppl, "eval_tokens": len(evaluated[0]),
                                  "eval_source": evaluated[1]}
-    if (quant := prec.quantization(precision, int4_block)) is not None:
+    if (quant := prec.quantization(precision, block)) is not None:
         content["quantization"] = quant
     return content
 

@@ -6,11 +6,13 @@
   measured) but is not faster.
 - int8: integer MatMuls in standard ops (``quantize_int8_rows``): weights int8 per output
   column, activations quantized per row when the graph runs, so a sequence's logits do not
-  depend on the rest of its batch.
+  depend on the rest of its batch. With a block size (fused graphs): 8-bit ``MatMulNBits``
+  blocks instead, one op a matmul: faster at batch 1, slower at batch 8, and its logits move a
+  little with the batch (measured in bench/results/int8-blocks.md).
 - int4 (fused graphs): weight-only 4-bit blocks (``MatMulNBits``, symmetric), blocks of 32
   weights by default, as onnxruntime-genai's builder makes for CPU; blocks of 64 store 4.5 bits
   a weight (llama.cpp's q4_0 size) and 128 4.25, faster to read and a little less exact
-  (``INT4_BLOCKS``; measured in bench/results/int4-blocks.md).
+  (``BLOCKS``; measured in bench/results/int4-blocks.md).
 On fused graphs fp16 also makes the KV buffers float16 (past and present are one buffer, so
 they cannot keep float32 around a float16 op); logits stay float32.
 """
@@ -35,32 +37,39 @@ class PrecisionError(RuntimeError):
 
 
 INT4_BLOCK = 32  # weights per 4-bit block (one float32 scale each): the default
-INT4_BLOCKS = (16, 32, 64, 128, 256)  # what MatMulNBits takes (a power of two, >= 16)
+BLOCKS = (16, 32, 64, 128, 256)  # what MatMulNBits takes (a power of two, >= 16)
+BITS = {"int4": 4, "int8": 8}  # the precisions MatMulNBits can store
 
 
-def int4_block_size(precision: str, block: int | None) -> int:
-    """The block size an export's int4 graphs take (None: ``INT4_BLOCK``); refused where it
+def block_size(precision: str, int4_block: int | None = None,
+               int8_block: int | None = None) -> int | None:
+    """The MatMulNBits block size an export's graphs take: int4 always (None:
+    ``INT4_BLOCK``), int8 when asked (None: per-row int8 in standard ops). Refused where it
     cannot apply, before any export work."""
-    if block is not None and precision != "int4":
-        raise ValueError(f"the int4 block size applies to --precision int4 only, not "
-                         f"{precision}")
-    block = INT4_BLOCK if block is None else block
-    if block not in INT4_BLOCKS:
-        raise ValueError(f"the int4 block size must be one of "
-                         f"{', '.join(map(str, INT4_BLOCKS))}, got {block}")
-    return block
+    for name, block in (("int4", int4_block), ("int8", int8_block)):
+        if block is not None and precision != name:
+            raise ValueError(f"the {name} block size applies to --precision {name} only, not "
+                             f"{precision}")
+        if block is not None and block not in BLOCKS:
+            raise ValueError(f"the {name} block size must be one of "
+                             f"{', '.join(map(str, BLOCKS))}, got {block}")
+    if precision == "int4":
+        return INT4_BLOCK if int4_block is None else int4_block
+    return int8_block if precision == "int8" else None
 
 
-def quantization(precision: str, int4_block: int) -> dict | None:
-    """The manifest's ``quantization`` entry (int4: its blocks and the bits a weight they
-    store: 4 + one float32 scale per block)."""
-    if precision != "int4":
+def quantization(precision: str, block: int | None) -> dict | None:
+    """The manifest's ``quantization`` entry for MatMulNBits graphs (int4, int8 in blocks):
+    their blocks and the bits a weight they store (the bits + one float32 scale per block)."""
+    if block is None or precision not in BITS:
         return None
-    return {"op": "MatMulNBits", "bits": 4, "symmetric": True, "block_size": int4_block,
-            "bits_per_weight": 4 + 32 / int4_block}
+    bits = BITS[precision]
+    return {"op": "MatMulNBits", "bits": bits, "symmetric": True, "block_size": block,
+            "bits_per_weight": bits + 32 / block}
 
 
-def convert(src: Path, dst: Path, precision: str, int4_block: int = INT4_BLOCK) -> None:
+def convert(src: Path, dst: Path, precision: str, block: int | None = None) -> None:
+    """``block``: MatMulNBits' block size (int4; int8 in blocks), None for per-row int8."""
     data_name = dst.name + ".data"
     fused = any(n.op_type == "GroupQueryAttention"
                 for n in onnx.load(str(src), load_external_data=False).graph.node)
@@ -73,17 +82,18 @@ def convert(src: Path, dst: Path, precision: str, int4_block: int = INT4_BLOCK) 
         _toposort(model.graph)  # the converter appends its input casts after their users
         onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
                   all_tensors_to_one_file=True, size_threshold=1024)
-    elif precision == "int8":
+    elif precision == "int8" and block is None:
         model = quantize_int8_rows(onnx.load(str(src)))  # with external data
         onnx.save(model, str(dst), save_as_external_data=True, location=data_name,
                   all_tensors_to_one_file=True, size_threshold=1024)
-    elif precision == "int4":
+    elif precision in BITS:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         if not fused:
-            raise PrecisionError("int4 needs the fused graph")
-        q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=4, block_size=int4_block,
-                                 is_symmetric=True, accuracy_level=4)
+            raise PrecisionError(f"{precision} in MatMulNBits blocks needs the fused graph")
+        q = MatMulNBitsQuantizer(onnx.load(str(src)), bits=BITS[precision],
+                                 block_size=block or INT4_BLOCK, is_symmetric=True,
+                                 accuracy_level=4)
         q.process()
         onnx.save(q.model.model, str(dst), save_as_external_data=True, location=data_name,
                   all_tensors_to_one_file=True, size_threshold=1024)

@@ -54,7 +54,7 @@ def test_export_precision_choices_match_the_pipeline():
     assert cli.PRECISIONS == pipeline.PRECISIONS
     from kvserve.export import precision
 
-    assert cli.INT4_BLOCKS == precision.INT4_BLOCKS
+    assert cli.BLOCKS == precision.BLOCKS
 
 
 def test_version_is_the_package_version():

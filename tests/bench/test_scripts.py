@@ -260,30 +260,55 @@ def test_bench_runs_as_a_script_and_shadows_no_standard_module():
     assert r.returncode == 0 and r.stdout.startswith("usage: decode_cost.py"), r.stderr
 
 
-def test_int4_blocks_measures_each_block_size(tiny_ckpt, tmp_path):
-    """``bench/int4_blocks.py``'s pieces on the tiny model: each artifact's fidelity from its
+def test_quant_blocks_measures_each_block_size(tiny_ckpt, tmp_path):
+    """``bench/quant_blocks.py``'s pieces on the tiny model: each artifact's fidelity from its
     manifest, every artifact timed in the same rounds, one table row a block size."""
-    from kvserve.bench import int4_blocks
+    from kvserve.bench import quant_blocks
     from kvserve.export.pipeline import export_artifacts
 
     arts = {b: Path(export_artifacts(tiny_ckpt, tmp_path / f"b{b}", precision="int4",
                                      attention=False, progress=False, threads=1,
                                      int4_block=b)) for b in (32, 64)}
-    fid = [int4_blocks.fidelity(a) for a in arts.values()]
+    fid = [quant_blocks.fidelity(a) for a in arts.values()]
     assert [(f["block_size"], f["bits_per_weight"]) for f in fid] == [(32, 5.0), (64, 4.5)]
     assert fid[1]["data_mb"] < fid[0]["data_mb"]
     assert all(0 <= f["token_agreement"] <= 1 and f["max_abs_logit"] > 0 for f in fid)
-    sp = int4_blocks.speed(arts, [1, 2], rounds=2, threads=1)
+    sp = quant_blocks.speed(arts, [1, 2], rounds=2, threads=1)
     assert set(sp) == {"1", "2"} and sp["1"]["32"]["vs_first"] == 1.0
     assert all(len(c["rounds"]) == 2 and c["tok_s"] > 0 for B in sp.values() for c in B.values())
-    md = int4_blocks.render({"size": "tiny", "cpu": "cpu", "threads": 1, "onnxruntime": "x",
-                             "date": "today", "rounds": 2, "artifacts": fid, "speed": sp})
+    md = quant_blocks.render({"size": "tiny", "cpu": "cpu", "threads": 1, "onnxruntime": "x",
+                              "date": "today", "rounds": 2, "artifacts": fid, "speed": sp})
     rows = [line for line in md.splitlines() if line.startswith("| 32 |") or
             line.startswith("| 64 |")]
     assert len(rows) == 2 and "| 4.5 |" in rows[1] and f"({sp['1']['64']['vs_first']:.2f}×)" \
         in rows[1]
+    assert md.startswith("## int4 block size") and "(× block 32)" in md
     # the results file holds one entry a size; a file of one size's results reads as such
     one = tmp_path / "one.json"
     one.write_text(json.dumps({"size": "tiny", "artifacts": fid}))
-    assert list(int4_blocks.load(one)["sizes"]) == ["tiny"]
-    assert int4_blocks.load(tmp_path / "none.json") == {"sizes": {}}
+    assert list(quant_blocks.load(one)["sizes"]) == ["tiny"]
+    assert quant_blocks.load(tmp_path / "none.json") == {"sizes": {}}
+
+
+def test_quant_blocks_sets_int8s_default_beside_its_blocks(tiny_ckpt, tmp_path):
+    """int8: block 0 is kvserve's default per-row int8 (no quantization entry in its
+    manifest), the first row of the table and what the others are compared with."""
+    from kvserve.bench import quant_blocks
+    from kvserve.export.pipeline import export_artifacts
+
+    arts = {b: Path(export_artifacts(tiny_ckpt, tmp_path / f"b{b}", precision="int8",
+                                     attention=False, progress=False, threads=1,
+                                     int8_block=b or None)) for b in (0, 64)}
+    fid = [quant_blocks.fidelity(a) for a in arts.values()]
+    assert [(f["block_size"], f["bits_per_weight"]) for f in fid] == [(0, 8), (64, 8.5)]
+    moved = [quant_blocks.batch_movement(a, threads=1, steps=2) for a in arts.values()]
+    assert moved[0] == 0.0 and np.isfinite(moved[1])  # per-row int8: by construction
+    fid = [{**f, "batch_movement": m} for f, m in zip(fid, moved)]
+    sp = quant_blocks.speed(arts, [1], rounds=1, threads=1)
+    assert sp["1"]["0"]["vs_first"] == 1.0 and sp["1"]["64"]["tok_s"] > 0
+    res = {"size": "tiny", "precision": "int8", "cpu": "cpu", "threads": 1,
+           "onnxruntime": "x", "date": "today", "rounds": 1, "artifacts": fid, "speed": sp}
+    md = quant_blocks.render_all({"sizes": {"tiny": res}})
+    assert md.startswith("## int8 block size") and "(× rows (default))" in md
+    assert "| rows (default) | 8 |" in md and "| 64 | 8.5 |" in md and "q8_0" in md
+    assert "| 0 |" in md.split("| rows (default) |")[1].splitlines()[0]  # its batch movement

@@ -42,17 +42,35 @@ def test_the_output_is_never_the_checkpoint_or_a_file(store, tmp_path):
         _export(ckpt, tmp_path / "afile", overwrite=True)
 
 
-def test_quantized_exports_without_a_tokenizer_are_gated(tmp_path):
+def test_quantized_exports_without_a_tokenizer_are_gated(tmp_path, monkeypatch):
+    from kvserve.export import precision as prec
+
     ckpt = _ckpt(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="--eval-text needs"):
         _export(ckpt, tmp_path / "a", precision="int8", eval_text=__file__)
-    with pytest.raises(PrecisionError, match="raises validation perplexity"):
-        _export(ckpt, tmp_path / "b", precision="int8", attention=False,
-                max_ppl_increase=-0.5)  # a bound no export meets: the gate ran
+    calls, real = [], prec.perplexity
+
+    def doubled_second(*a):  # the fp32 graph's perplexity, then twice the int8 graph's
+        calls.append(1)
+        return real(*a) * len(calls)
+
+    with monkeypatch.context() as m:
+        m.setattr(prec, "perplexity", doubled_second)
+        with pytest.raises(PrecisionError, match=r"raises validation perplexity by \+\d"):
+            _export(ckpt, tmp_path / "b", precision="int8", attention=False)  # the gate ran
+    assert len(calls) == 2
     art = _export(ckpt, tmp_path / "c", precision="int4", attention=False)
     ppl = json.loads((art / "manifest.json").read_text())["perplexity"]
     assert ppl["eval_source"] == "sampled by the fp32 model" and ppl["eval_tokens"] > 100
     assert np.isfinite(ppl["relative_change"])
+
+
+@pytest.mark.parametrize("bound", [-0.5, float("nan"), float("inf")])
+def test_the_perplexity_bound_is_a_fraction_of_at_least_zero(store, tmp_path, bound):
+    with pytest.raises(ValueError, match="--max-ppl-increase is a fraction >= 0"):
+        _export(store.checkpoint("llama"), tmp_path / "a", precision="int8",
+                max_ppl_increase=bound)
+    assert not list(tmp_path.iterdir())
 
 
 def test_a_short_context_fits_the_gate(tmp_path):

@@ -94,16 +94,51 @@ def test_int4_blocks_of_64_hold_fewer_bytes_and_say_so(store, tmp_path):
     assert (art / "model.onnx.data").stat().st_size < (default / "model.onnx.data").stat().st_size
 
 
-@pytest.mark.parametrize("precision, block, match", [
-    ("int8", 64, "applies to --precision int4 only"),
-    ("int4", 48, r"must be one of 16, 32, 64, 128, 256, got 48")])
-def test_an_int4_block_size_that_cannot_apply_is_refused_before_any_work(
-        store, tmp_path, precision, block, match):
+def test_int8_in_blocks_is_one_8_bit_op_a_matmul_and_says_so(store, tmp_path):
+    """--int8-block-size: every weight matmul is an 8-bit MatMulNBits of the asked block size
+    (no per-row quantization ops); the manifest records it, the same gates apply, the runtime
+    serves it, and its 8-bit blocks are closer to fp32 than the default's 7-bit columns."""
+    from kvserve.export.pipeline import export_artifacts
+
+    rows = verify_artifacts(store.artifact(PRECISION_CONFIGS["int8"]))
+    assert "quantization" not in rows  # the default: per-row int8 in standard ops
+    art = export_artifacts(store.checkpoint(PRECISION_CONFIGS["int8"]), tmp_path / "b64",
+                           precision="int8", attention=False, progress=False, threads=THREADS,
+                           int8_block=64)
+    m = verify_artifacts(art)
+    assert m["precision"] == "int8"
+    assert m["quantization"] == {"op": "MatMulNBits", "bits": 8, "symmetric": True,
+                                 "block_size": 64, "bits_per_weight": 8.5}
+    nodes = onnx.load(str(art / "model.onnx"), load_external_data=False).graph.node
+    ops = {n.op_type for n in nodes}
+    assert "MatMulNBits" in ops and not ops & {"MatMul", "MatMulInteger", "ReduceMax"}
+    assert {onnx.helper.get_attribute_value(a) for n in nodes if n.op_type == "MatMulNBits"
+            for a in n.attribute if a.name in ("bits", "block_size")} == {8, 64}
+    q, r = m["parity"]["int8"], rows["parity"]["int8"]
+    worst = max(q["max_abs_logit_prefill"], q["max_abs_logit_decode"])
+    assert np.isfinite(worst) and worst < max(r["max_abs_logit_prefill"],
+                                              r["max_abs_logit_decode"])
+    assert m["perplexity"]["relative_change"] <= 0.10
+    lm = load_lm(art, provider="cpu", threads=THREADS, attention=False)
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [[3, 4, 5, 6], [7, 8]])
+    logits, _ = lm.decode(kv, 2, np.array([7, 9]))
+    assert logits.shape == (2, lm.cfg.vocab_size) and np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("precision, blocks, match", [
+    ("int8", {"int4_block": 64}, "the int4 block size applies to --precision int4 only"),
+    ("int4", {"int8_block": 64}, "the int8 block size applies to --precision int8 only"),
+    ("fp32", {"int8_block": 64}, "applies to --precision int8 only, not fp32"),
+    ("int4", {"int4_block": 48}, r"must be one of 16, 32, 64, 128, 256, got 48"),
+    ("int8", {"int8_block": 8}, r"int8 block size must be one of 16, 32, 64, 128, 256, got 8")])
+def test_a_block_size_that_cannot_apply_is_refused_before_any_work(
+        store, tmp_path, precision, blocks, match):
     from kvserve.export.pipeline import export_artifacts
 
     with pytest.raises(ValueError, match=match):
         export_artifacts(store.checkpoint(PRECISION_CONFIGS["int4"]), tmp_path / "a",
-                         precision=precision, progress=False, int4_block=block)
+                         precision=precision, progress=False, **blocks)
     assert not list(tmp_path.iterdir())
 
 
@@ -138,8 +173,8 @@ def test_serving_fp16_on_the_cpu_provider_warns(store, precision, caplog):
 
 
 def test_int4_on_a_portable_export_says_why_it_is_portable(tmp_path):
-    """int4 needs the fused graph: refused before any export work, naming why the export is
-    portable (a head_dim the fused graph cannot take, or --portable)."""
+    """int4 and int8 in blocks need the fused graph: refused before any export work, naming
+    why the export is portable (a head_dim the fused graph cannot take, or --portable)."""
     import torch
 
     from kvserve.export.pipeline import export_artifacts
@@ -156,7 +191,9 @@ def test_int4_on_a_portable_export_says_why_it_is_portable(tmp_path):
         export_artifacts(ckpt, tmp_path / "a", precision="int4", progress=False)
     with pytest.raises(ValueError, match=r"this export is portable \(--portable\)"):
         export_artifacts(ckpt, tmp_path / "b", precision="int4", portable=True, progress=False)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    with pytest.raises(ValueError, match=r"--int8-block-size needs the fused graph.*head_dim 24"):
+        export_artifacts(ckpt, tmp_path / "c", precision="int8", int8_block=32, progress=False)
+    assert not any((tmp_path / n).exists() for n in "abc")
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp32"])
