@@ -7,7 +7,8 @@ Per size, under ``<cache>/<name>/``:
               the onnxruntime-genai builder needs it)
   ckpt/       ``kvserve import-hf hf/``
   fp32/       ``export_artifacts(ckpt, precision="fp32")`` (prefill + decode graphs)
-  int8/       ``export_artifacts(ckpt, precision="int8")`` (sizes that ask for it)
+  int8/       ``export_artifacts(ckpt, precision="int8", int8_block=64)`` (sizes that ask for
+              it): 8-bit blocks of 64 store 8.5 bits a weight, llama.cpp q8_0's size
   int4/       ``export_artifacts(ckpt, precision="int4", int4_block=64)`` (when the llama.cpp
               peer's q4_0 runs): blocks of 64 store 4.5 bits a weight, q4_0's size
   gguf/       llama.cpp's copies of hf/ (``bench/gguf_convert.py``; when llama.cpp runs)
@@ -26,6 +27,7 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -186,6 +188,11 @@ STAMP = ".bench-stamp"
 # weight, as llama.cpp's q4_0 (blocks of 32, a float16 scale each) that it is measured against;
 # kvserve's default (32) stores 5 (bench/results/int4-blocks.md measures both)
 BENCH_INT4_BLOCK = 64
+# the bench's int8 artifact: 8-bit MatMulNBits blocks of 64 (8.5 bits a weight), as llama.cpp's
+# q8_0 (blocks of 32, a float16 scale each); kvserve's default int8 (per-row activations in
+# standard ops, the same logits in any batch) is measured beside it in
+# bench/results/int8-blocks.md
+BENCH_INT8_BLOCK = 64
 
 
 def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2,
@@ -263,8 +270,8 @@ def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = Non
     ckpt = step("ckpt", build_ckpt, hf, root / "ckpt")
     fp32 = step("fp32", build_artifacts, ckpt, root / "fp32", "fp32", threads)
     want_int8 = size.int8 if int8 is None else int8
-    q = step("int8", build_artifacts, ckpt, root / "int8", "int8", threads) if want_int8 \
-        else None
+    q = step("int8", partial(build_artifacts, int8_block=BENCH_INT8_BLOCK), ckpt,
+             root / "int8", "int8", threads) if want_int8 else None
     q4 = step("int4", build_artifacts, ckpt, root / "int4", "int4", threads,
               BENCH_INT4_BLOCK) if int4 else None
     g = step("genai", build_genai, hf, root / "genai", threads) if genai else None

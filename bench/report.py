@@ -194,7 +194,7 @@ def _decode_tables(key: str, size: dict, cols: list[str]) -> list[str]:
     for r in timed:
         v = runners[r]
         t, i, s = v.get("ttft_ms", {}), v.get("itl_ms", {}), v.get("step_ms", {})
-        lines.append(f"| {RUNNER_LABELS.get(r, r)} | {fmt(t.get('32'), 2)} | "
+        lines.append(f"| {label(r, v)} | {fmt(t.get('32'), 2)} | "
                      f"{fmt(t.get('512'), 1)} | {fmt(i.get('p50'), 2)} | "
                      f"{fmt(i.get('p99'), 2)} | {fmt(s.get('16'), 2)} | "
                      f"{fmt(s.get('256'), 2)} | {fmt(s.get('1000'), 2)} |")

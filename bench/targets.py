@@ -185,6 +185,12 @@ def _memory_and_steps(key: str, size: dict) -> list[dict]:
     return out
 
 
+def _int8_kind(size: dict) -> str:
+    q = get(size, "runners", "engine_int8", "quantization") or {}
+    return (f"8-bit MatMulNBits, blocks of {q['block_size']}" if q.get("block_size") else
+            "int8 MatMulInteger, activations per row")
+
+
 def _int8(key: str, size: dict) -> list[dict]:
     if "engine_int8" not in size.get("runners", {}):
         return []
@@ -195,8 +201,8 @@ def _int8(key: str, size: dict) -> list[dict]:
     return [_target(
         key, "int8 ≥ 2.5× fp32 at batch 1 (128 new tokens)",
         paired(size, "engine_int8", "engine", "1x128"), 2.5,
-        [f"weights read per step shrink {fmt(bytes_ratio, 2)}× (int8 MatMulInteger), but each "
-         f"step also quantizes every matmul's activations per row and attention (fp32 cache) "
+        [f"weights read per step shrink {fmt(bytes_ratio, 2)}× ({_int8_kind(size)}), but each "
+         f"step also quantizes every matmul's activations and attention (fp32 cache) "
          f"stays fp32 work; the bound is the bytes ratio, not 4×"],
         f"{fmt(q)} vs {fmt(f)} tok/s; perplexity change "
         f"{'–' if change is None else f'{change:+.2%}'}")]
