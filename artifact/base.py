@@ -25,6 +25,12 @@ def chunks(rows: int) -> int:
     return CAPACITY_CHUNK * ((max(rows, 1) + CAPACITY_CHUNK - 1) // CAPACITY_CHUNK)
 
 
+def nbits(manifest: dict) -> bool:
+    """Whether the artifact's weight matmuls are ``MatMulNBits`` (int4; int8 in blocks)."""
+    return manifest.get("precision") == "int4" or \
+        (manifest.get("quantization") or {}).get("op") == "MatMulNBits"
+
+
 class ArtifactRunner:
     """Base of ``FusedLM`` and ``PortableLM``: ``dir``, ``cfg``, ``manifest``, ``providers``,
     and the session options their sessions share."""
@@ -42,9 +48,12 @@ class ArtifactRunner:
         # the diagnostics sessions' (attention weights, asked for now and then): their weights
         # stay in the artifact's memory-mapped data file, not a second copy in the process
         # (onnxruntime's Python API cannot share the packed weights of the main session), and
-        # their matmuls pack per call (~3x slower steps); ``attention_copy``: a packed copy
-        self.diagnostics_options = self.options if attention_copy else \
-            session_options(self.options.intra_op_num_threads, spin, prepack=False)
+        # their matmuls pack per call (~3x slower steps); ``attention_copy``: a packed copy.
+        # MatMulNBits graphs (int4, int8 in blocks) always take the packed copy: unpacked,
+        # that kernel takes another compute path (logits ~0.05 apart), and a step carrying
+        # one request's attention would move its neighbours' tokens
+        self.diagnostics_options = self.options if attention_copy or nbits(self.manifest) \
+            else session_options(self.options.intra_op_num_threads, spin, prepack=False)
         self.ort_seconds = 0.0  # time inside onnxruntime's runs, all calls (profiling tools)
         # IO bindings built so far: a call that built one paid a one-time cost (and, for a new
         # input shape, onnxruntime's own first run of it), which the engine's step costs

@@ -97,10 +97,11 @@ def main(args) -> int:
           f"{p['max_abs_logit_prefill']:.2e}, decode {p['max_abs_logit_decode']:.2e} over "
           f"{p['decode_steps']} steps x {p['batch']} rows, greedy tokens equal: "
           f"{p['greedy_tokens_equal']}")
-    if m["precision"] != "fp32":
-        q = m["parity"][m["precision"]]
-        print(f"  {m['precision']}: max |Δlogit| {max(q['max_abs_logit_prefill'], q['max_abs_logit_decode']):.2e}, "
-              f"greedy agreement {q['token_agreement']:.3f}"
+    for label, q in m["parity"].items():  # the transformed graphs' ("int8", "int8+optimized")
+        if label == "fp32":
+            continue
+        worst = max(q["max_abs_logit_prefill"], q["max_abs_logit_decode"])
+        print(f"  {label}: max |Δlogit| {worst:.2e}, greedy agreement {q['token_agreement']:.3f}"
               + (f", blocks of {m['quantization']['block_size']}" if "quantization" in m else ""))
     if "perplexity" in m:
         print("  perplexity: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, (int, float))

@@ -126,7 +126,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
 
         bar.set_description("manifest")
         content = _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl,
-                                    (eval_ids, eval_source), block)
+                                    (eval_ids, eval_source),
+                                    prec.quantization(precision, block, tmp / specs[0].filename))
         if why_portable:
             content["runtime"]["portable_because"] = why_portable
         if machine is not None:
@@ -297,7 +298,7 @@ def _eval_ids(ckpt: Path, eval_text, cfg) -> list[int] | None:
 
 
 def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, evaluated,
-                      block: int | None) -> dict:
+                      quant: dict | None) -> dict:
     """``evaluated``: (the perplexity figures' token ids, their source)."""
     kv_dtype = _kv_dtype(kind, precision)
     content = {
@@ -320,7 +321,7 @@ def _manifest_content(ckpt, cfg, kind, specs, precision, parity, ppl, evaluated,
     if ppl:
         content["perplexity"] = {**ppl, "eval_tokens": len(evaluated[0]),
                                  "eval_source": evaluated[1]}
-    if (quant := prec.quantization(precision, block)) is not None:
+    if quant is not None:
         content["quantization"] = quant
     return content
 

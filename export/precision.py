@@ -58,14 +58,36 @@ def block_size(precision: str, int4_block: int | None = None,
     return int8_block if precision == "int8" else None
 
 
-def quantization(precision: str, block: int | None) -> dict | None:
+def quantization(precision: str, block: int | None, graph: Path | None = None) -> dict | None:
     """The manifest's ``quantization`` entry for MatMulNBits graphs (int4, int8 in blocks):
-    their blocks and the bits a weight they store (the bits + one float32 scale per block)."""
+    their blocks and the bits a weight they store: the bits + one float32 scale per block, or,
+    given the converted ``graph``, what its MatMulNBits initializers hold per weight (a column
+    shorter than a block, or not a multiple of it, is padded to whole blocks)."""
     if block is None or precision not in BITS:
         return None
     bits = BITS[precision]
+    per_weight = bits + 32 / block if graph is None else stored_bits_per_weight(graph)
     return {"op": "MatMulNBits", "bits": bits, "symmetric": True, "block_size": block,
-            "bits_per_weight": bits + 32 / block}
+            "bits_per_weight": round(per_weight, 4)}
+
+
+def stored_bits_per_weight(graph: Path) -> float:
+    """Bits a weight of ``graph``'s MatMulNBits products: their weight and scale initializers'
+    bytes (from the shapes; external data is not read) over their K x N weights."""
+    from onnx import helper
+
+    m = onnx.load(str(graph), load_external_data=False)
+    sizes = {t.name: int(np.prod(t.dims)) * (4 if t.data_type == onnx.TensorProto.FLOAT else 1)
+             for t in m.graph.initializer}
+    stored = weights = 0
+    for node in m.graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            weights += attrs["K"] * attrs["N"]
+            stored += sizes.get(node.input[1], 0) + sizes.get(node.input[2], 0)
+    if not weights:
+        raise PrecisionError(f"{graph.name} has no MatMulNBits product")
+    return 8 * stored / weights
 
 
 def convert(src: Path, dst: Path, precision: str, block: int | None = None) -> None:

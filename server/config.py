@@ -175,7 +175,8 @@ class ServerConfig:
     attention_copy: bool = _opt(False, "give the attention-diagnostics graph its own packed "
                                        "copy of the weights: steps that carry attention run "
                                        "~3x faster, for the weights' size in memory (off: it "
-                                       "reads them from the memory-mapped artifact)")
+                                       "reads them from the memory-mapped artifact; int4 / "
+                                       "int8-block artifacts always take the copy)")
     verify: bool = _opt(True, "verify the artifact against its manifest before loading (off: "
                               "no sha256 or onnx.checker; paths, sizes, schema and the config "
                               "against the graphs are still checked)")

@@ -142,6 +142,20 @@ def test_cli_export_and_verify_succeed(main_ckpt, main_artifact, tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
 
 
+def test_cli_export_of_optimised_int8_blocks_summarises_them(main_ckpt, tmp_path, capsys):
+    """The transformed graphs' parity entry is named with --optimize ("int8+optimized"): the
+    summary found it by the precision alone and ended in a KeyError after writing the
+    artifact (found by a review)."""
+    out = tmp_path / "art"
+    assert cli.main(["export", str(main_ckpt), "--out", str(out), "--no-attention",
+                     "--threads", str(THREADS), "--precision", "int8", "--int8-block-size",
+                     "64", "--optimize"]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"  int8\+optimized: max \|Δlogit\| \S+, greedy agreement \S+, blocks of "
+                     r"64", printed), printed
+    assert cli.main(["verify", str(out)]) == 0
+
+
 def test_cli_export_signs_with_sign_key(main_ckpt, main_artifact, tmp_path, monkeypatch,
                                         capsys):
     """--sign-key: a bad key fails before any export work; a good one signs the manifest."""

@@ -215,3 +215,55 @@ def test_a_rows_logits_do_not_depend_on_its_batch(store, main_artifact, precisio
         a = lm.decode(alone, 1, [t])[0][0].copy()
         b = lm.decode(batch, 4, [t, *rng.integers(2, V, 3).tolist()])[0][0].copy()
         assert np.array_equal(a, b), (step, np.abs(a - b).max())
+
+
+@pytest.mark.parametrize("precision, blocks", [("int8", {"int8_block": 64}), ("int4", {})])
+def test_a_neighbours_attention_step_leaves_a_row_of_an_nbits_artifact_as_alone(
+        store, tmp_path, precision, blocks):
+    """A decode step carrying one request's attention runs the whole batch through the
+    diagnostics graph. Unpacked (as other artifacts' diagnostics sessions are, to hold no second
+    copy), MatMulNBits takes another compute path: the neighbour's logits moved by 0.02. Its
+    sessions therefore always take the packed copy: the row moves by the attention op's own
+    rounding only (a tolerance of 1e-4 on these tiny models; measured ~1e-6)."""
+    from kvserve.export.pipeline import export_artifacts
+
+    art = export_artifacts(store.checkpoint(PRECISION_CONFIGS[precision]), tmp_path / "a",
+                           precision=precision, attention=True, progress=False,
+                           threads=THREADS, **blocks)
+    lm = load_lm(art, provider="cpu", threads=THREADS, attention=True)
+    alone, batch = lm.new_cache(1), lm.new_cache(2)
+    lm.prefill(alone, 0, [[3, 4, 5, 6, 7, 8]])
+    lm.prefill(batch, 0, [[3, 4, 5, 6, 7, 8]])
+    lm.prefill(batch, 1, [[9, 10, 11]], attention=True)
+    worst = 0.0
+    for t in range(5):
+        a = lm.decode(alone, 1, [12 + t])[0][0].copy()
+        b, _ = lm.decode(batch, 2, [12 + t, 20 + t], attention=True)
+        worst = max(worst, float(np.abs(a - b[0]).max()))
+    print(f"{precision}: a row beside an attention step moved by {worst:.3g}")
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("K, bits, want", [(128, 8, 8.5), (48, 8, 8 * (64 + 4) / 48),
+                                            (128, 4, 4.5), (80, 4, 8 * (2 * 32 + 2 * 4) / 80)])
+def test_bits_a_weight_count_the_padding_of_short_columns(tmp_path, K, bits, want):
+    """A column shorter than a block of 64, or not a multiple of it, is padded to whole blocks:
+    the manifest's bits a weight are what the graph stores (found by a review: a model of
+    d 64 in blocks of 256 said 8.125 and held ~4x the weights' bytes)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from kvserve.export.precision import quantization
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((K, 32))
+                                .astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32])], [w])
+    q = MatMulNBitsQuantizer(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
+                             bits=bits, block_size=64, is_symmetric=True)
+    q.process()
+    onnx.save(q.model.model, str(tmp_path / "m.onnx"))
+    got = quantization(f"int{bits}", 64, tmp_path / "m.onnx")
+    assert got["bits_per_weight"] == pytest.approx(want, abs=1e-4)
+    assert quantization(f"int{bits}", 64)["bits_per_weight"] == bits + 0.5  # the nominal
