@@ -17,8 +17,8 @@ each artifact:
   on the held-out text (on random-init weights these are rough: every artifact is judged on the
   same prompts and text, so they compare the block sizes, not the model);
 - batch movement: the largest |Δlogit| of a sequence's logits alone against the same sequence
-  beside others (batches of 2, 3, 8 and 16; the prefill's last position and 8 decode steps):
-  0 where the kernels compute each row alone;
+  beside others (every row of batches of 2, 3, 8 and 16; the prefill's last position and 8
+  decode steps): 0 where the kernels compute each row alone;
 - speed: the raw decode loop (``bench/runner_kvserve.LoopRunner``: prefill 32 random tokens,
   then 64 greedy steps) at batch 1 and 8, every artifact loaded in one process and timed in
   alternating rounds; the ratio to the first block size is the median of the per-round ratios.
@@ -91,24 +91,26 @@ MOVEMENT_BATCHES = (2, 3, 8, 16)
 
 
 def batch_movement(art: Path, threads: int, steps: int = 8) -> float:
-    """The largest |Δlogit| between a sequence alone and the same sequence as the first row of
-    a batch of random others (``MOVEMENT_BATCHES``), at the prefill's last position and over
-    ``steps`` decode steps."""
+    """The largest |Δlogit| between a sequence alone and the same sequence in a batch of random
+    others (``MOVEMENT_BATCHES``), every row of every batch, at the prefill's last position and
+    over ``steps`` decode steps."""
     from kvserve.artifact.loader import load_lm
 
     lm = load_lm(art, provider="cpu", threads=threads, attention=False)
     V, rng, worst = lm.cfg.vocab_size, np.random.default_rng(1), 0.0
     for B in MOVEMENT_BATCHES:
         prompts = [rng.integers(2, V, int(n)).tolist() for n in rng.integers(3, 40, B)]
-        alone, batch = lm.new_cache(1), lm.new_cache(B)
-        a = lm.prefill(alone, 0, prompts[:1], last=True).logits[0][-1].copy()
-        b = lm.prefill(batch, 0, prompts, last=True).logits[0][-1].copy()
-        worst = max(worst, float(np.abs(a - b).max()))
-        for _ in range(steps):
-            t = int(rng.integers(2, V))
-            a = lm.decode(alone, 1, [t])[0][0].copy()  # (a view of a bound output)
-            b = lm.decode(batch, B, [t, *rng.integers(2, V, B - 1).tolist()])[0][0].copy()
-            worst = max(worst, float(np.abs(a - b).max()))
+        tokens = rng.integers(2, V, (steps, B))
+        batch = lm.new_cache(B)
+        together = [np.stack([rows[-1] for rows in  # (B, V): each row's last position
+                              lm.prefill(batch, 0, prompts, last=True).logits])]
+        together += [lm.decode(batch, B, t.tolist())[0].copy() for t in tokens]
+        for i in range(B):
+            alone = lm.new_cache(1)
+            mine = [lm.prefill(alone, 0, prompts[i:i + 1], last=True).logits[0][-1].copy()]
+            mine += [lm.decode(alone, 1, [int(t)])[0][0].copy() for t in tokens[:, i]]
+            worst = max(worst, max(float(np.abs(a - b[i]).max())
+                                   for a, b in zip(mine, together)))
     return worst
 
 
