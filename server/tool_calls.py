@@ -165,6 +165,10 @@ def tool_constraint(tools: Sequence[Tool], choice: str | Tool, fmt: ToolFormat,
 
 
 # --- parsing a finished output -------------------------------------------------------------
+# what json raises on a model's text that is no JSON, or nests past Python's stack ([[[[...)
+NOT_JSON = (ValueError, RecursionError)
+
+
 def _call(obj: Any, new_id: Callable[[], str]) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -172,7 +176,7 @@ def _call(obj: Any, new_id: Callable[[], str]) -> dict | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except (ValueError, RecursionError):
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -192,7 +196,7 @@ def _hermes(text: str, new_id) -> tuple[str | None, list[dict]] | None:
         pos = m.end()
         try:
             c = _call(json.loads(m.group(1).strip()), new_id)
-        except (ValueError, RecursionError):  # (a model may write [[[[...)
+        except NOT_JSON:
             c = None
         if c is None:
             rest.append(m.group(0))
@@ -213,7 +217,7 @@ def _json_seq(s: str, sep: str) -> list | None:
             i += 1
         try:
             obj, i = dec.raw_decode(s, i)
-        except (ValueError, RecursionError):
+        except NOT_JSON:
             return None
         out.append(obj)
         j = i
@@ -255,7 +259,7 @@ def _mistral(text: str, new_id) -> tuple[str | None, list[dict]] | None:
             try:
                 objs.append({"name": name.strip(), "arguments": json.loads(args)} if sep
                             else None)
-            except (ValueError, RecursionError):
+            except NOT_JSON:
                 return None
     calls = [_call(o, new_id) for o in objs or []]
     if not calls or any(c is None for c in calls):
