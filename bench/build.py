@@ -27,7 +27,6 @@ import sys
 import sysconfig
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -257,9 +256,9 @@ def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = Non
     root.mkdir(parents=True, exist_ok=True)
     secs = {}
 
-    def step(label, fn, *a):
+    def step(label, fn, *a, **kw):
         t0 = time.perf_counter()
-        r = fn(*a)
+        r = fn(*a, **kw)
         dt = time.perf_counter() - t0
         if dt > 0.5:
             secs[label] = round(dt, 1)
@@ -270,8 +269,8 @@ def build(name: str, cache: Path, *, genai: bool = True, int8: bool | None = Non
     ckpt = step("ckpt", build_ckpt, hf, root / "ckpt")
     fp32 = step("fp32", build_artifacts, ckpt, root / "fp32", "fp32", threads)
     want_int8 = size.int8 if int8 is None else int8
-    q = step("int8", partial(build_artifacts, int8_block=BENCH_INT8_BLOCK), ckpt,
-             root / "int8", "int8", threads) if want_int8 else None
+    q = step("int8", build_artifacts, ckpt, root / "int8", "int8", threads,
+             int8_block=BENCH_INT8_BLOCK) if want_int8 else None
     q4 = step("int4", build_artifacts, ckpt, root / "int4", "int4", threads,
               BENCH_INT4_BLOCK) if int4 else None
     g = step("genai", build_genai, hf, root / "genai", threads) if genai else None

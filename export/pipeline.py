@@ -52,13 +52,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     block = prec.block_size(precision, int4_block, int8_block)
-    if parity_steps < 64:
-        raise ValueError("the parity gate runs at least 64 decode steps")
-    if not 0.0 <= max_ppl_increase < float("inf"):
-        raise ValueError(f"--max-ppl-increase is a fraction >= 0 (0.10: at most 10% above "
-                         f"fp32), got {max_ppl_increase}")
     ckpt, out = Path(ckpt), Path(out)
-    _check_args(ckpt, out, overwrite, eval_text)
+    _check_args(ckpt, out, overwrite, eval_text, parity_steps, max_ppl_increase)
     model = load_model(ckpt)
     cfg = model.cfg
     why_portable = [] if portable else fused.unsupported(cfg)
@@ -114,13 +109,8 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                 gate(report, prec.FP16_TOLERANCE, require_tokens=False)
             parity[label] = report.to_dict()
             if eval_ids:
-                ppl[label] = prec.perplexity(lm, eval_ids, cfg.max_seq_len)
-                change = ppl[label] / ppl["fp32"] - 1.0
-                ppl["relative_change"] = change
-                if not np.isfinite(change) or change > max_ppl_increase:
-                    raise prec.PrecisionError(
-                        f"{label} raises validation perplexity by {change:+.1%} "
-                        f"(at most {max_ppl_increase:+.2%} allowed)")
+                _perplexity_gate(ppl, label, prec.perplexity(lm, eval_ids, cfg.max_seq_len),
+                                 max_ppl_increase)
             del lm
             bar.update()
 
@@ -149,9 +139,16 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     return out
 
 
-def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text) -> None:
+def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text, parity_steps: int,
+                max_ppl_increase: float) -> None:
     """``out`` may be replaced only with ``overwrite``, and never when it is (or holds) the
-    checkpoint being exported, or is not a directory; ``eval_text`` needs a tokenizer."""
+    checkpoint being exported, or is not a directory; ``eval_text`` needs a tokenizer; the
+    gate's bounds are in range."""
+    if parity_steps < 64:
+        raise ValueError("the parity gate runs at least 64 decode steps")
+    if not 0.0 <= max_ppl_increase < float("inf"):
+        raise ValueError(f"--max-ppl-increase is a fraction >= 0 (0.10: at most 10% above "
+                         f"fp32), got {max_ppl_increase}")
     if eval_text is not None and not (ckpt / TOKENIZER).is_file():
         raise ValueError(f"--eval-text needs the checkpoint's {TOKENIZER} to tokenize it")
     c, o = ckpt.resolve(), out.resolve()
@@ -162,6 +159,16 @@ def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text) -> None:
         raise FileExistsError(f"{out} exists and is not a directory")
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+
+
+def _perplexity_gate(ppl: dict, label: str, value: float, max_increase: float) -> None:
+    """Record the transformed graphs' perplexity ``value`` and its change over fp32's in
+    ``ppl``; raise when the change is above ``max_increase`` (or not finite)."""
+    ppl[label] = value
+    change = ppl["relative_change"] = value / ppl["fp32"] - 1.0
+    if not np.isfinite(change) or change > max_increase:
+        raise prec.PrecisionError(f"{label} raises validation perplexity by {change:+.1%} "
+                                  f"(at most {max_increase:+.2%} allowed)")
 
 
 def _parity_steps(cfg, prompts: list[list[int]], steps: int) -> int:

@@ -77,8 +77,8 @@ def stored_bits_per_weight(graph: Path) -> float:
     from onnx import helper
 
     m = onnx.load(str(graph), load_external_data=False)
-    sizes = {t.name: int(np.prod(t.dims)) * (4 if t.data_type == onnx.TensorProto.FLOAT else 1)
-             for t in m.graph.initializer}
+    sizes = {t.name: int(np.prod(t.dims))
+             * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize for t in m.graph.initializer}
     stored = weights = 0
     for node in m.graph.node:
         if node.op_type == "MatMulNBits":
