@@ -7,7 +7,7 @@ Torch-free; used by ``verify`` (and so by the server before it loads anything).
   ``n_layers = 1e9`` is refused here, not by a MemoryError minutes later).
 - ``graph_dims`` / ``check_config_against_graphs``: the config agrees with the shapes the ONNX
   graphs declare (layers, KV heads, head size, vocabulary, query heads where an attention
-  graph states them).
+  graph states them), and ``max_seq_len`` fits the graphs' position tables (``position_rows``).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import FORMAT_VERSION
-from .spec import FUSED_SMALL_INPUTS
+from .spec import FUSED_SMALL_INPUTS, POSITION_TABLES
 
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 256 << 10
@@ -250,9 +250,20 @@ def graph_dims(model) -> dict[str, int]:
     return out
 
 
+def position_rows(model) -> int | None:
+    """The positions a graph can serve: the fewest rows of its per-position tables (RoPE's
+    cos / sin, a learned or sinusoidal position table), None when it has none (its rows are
+    computed from the positions)."""
+    rows = [int(t.dims[0]) for t in model.graph.initializer
+            if t.name in POSITION_TABLES and t.dims]
+    return min(rows) if rows else None
+
+
 def check_config_against_graphs(cfg, graphs: dict[str, Any]) -> None:
     """``graphs``: name -> onnx ModelProto (without external data). Every dimension a graph
-    declares must be the config's."""
+    declares must be the config's, and its position tables must cover ``max_seq_len`` (a
+    longer one, edited into config.json, failed inside onnxruntime at the first position
+    past the table)."""
     want = {"n_layers": cfg.n_layers, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size, "n_heads": cfg.n_heads}
     for name, model in graphs.items():
@@ -260,6 +271,10 @@ def check_config_against_graphs(cfg, graphs: dict[str, Any]) -> None:
         for key, value in got.items():
             _need(value == want[key], f"config.json does not match graph {name}: {key} "
                                       f"{want[key]} in config.json, {value} in the graph")
+        rows = position_rows(model)
+        _need(rows is None or cfg.max_seq_len <= rows,
+              f"config.json does not match graph {name}: max_seq_len {cfg.max_seq_len} in "
+              f"config.json, position tables of {rows} rows in the graph")
         if name in REQUIRED_GRAPHS:
             _need("vocab_size" in got and "n_layers" in got,
                   f"graph {name} declares no logits or KV tensors")

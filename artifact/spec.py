@@ -93,6 +93,12 @@ SEQLENS_K = "seqlens_k"  # (B,) int32: tokens in the cache after this call - 1
 QUERY_SEQLENS = "query_seqlens"  # (B,) int32: valid tokens of this call
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # () int32: max over the batch of seqlens_k + 1
 LOGITS_ROWS = "logits_rows"  # (B, R) int64: the positions of each row that get logits
+# tables with a row per position (initializers): the graph serves no position past their rows
+ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"  # (max_seq_len, D / 2): GroupQueryAttention's
+POSITION_TABLE = "pos_emb.table"  # (max_seq_len, C): learned or sinusoidal positions
+PORTABLE_POSITION_TABLE = "model.pos_emb.weight"  # the portable graphs' learned positions
+# (the torch module's name; a portable graph computes RoPE and sinusoidal rows from positions)
+POSITION_TABLES = (ROPE_COS, ROPE_SIN, POSITION_TABLE, PORTABLE_POSITION_TABLE)
 
 FUSED = "fused"
 PORTABLE = "portable"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from kvserve.artifact.spec import FusedSpec
+from kvserve.artifact.spec import POSITION_TABLE, ROPE_COS, ROPE_SIN, FusedSpec
 from kvserve.model.config import ModelConfig
 
 from .fused_ops import MS, Builder, ffn, positions, qk_norm, rope_cache, sinusoidal_table, softcap
@@ -68,12 +68,12 @@ class FusedBlocks:
         if cfg.positions in ("learned", "sinusoidal"):
             table = self.W["pos_emb.weight"] if cfg.positions == "learned" else \
                 sinusoidal_table(cfg.max_seq_len, cfg.d_model)
-            x = b.one("Add", [x, b.one("Gather", [b.init("pos_emb.table", table),
+            x = b.one("Add", [x, b.one("Gather", [b.init(POSITION_TABLE, table),
                                                   positions(b)])])  # (B, S, C)
         if cfg.positions == "rope":
             cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_base,
                                   cfg.rope_scaling)
-            self.rope = [b.init("rope.cos", cos), b.init("rope.sin", sin)]
+            self.rope = [b.init(ROPE_COS, cos), b.init(ROPE_SIN, sin)]
         return x
 
     # --- attention ----------------------------------------------------------------------------

@@ -6,9 +6,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import onnx
 import pytest
+from export_matrix import CONFIGS, make_config
 
 from kvserve import cli
+from kvserve.artifact import schema
 from kvserve.artifact.manifest import sha256_file
 from kvserve_testing import read_manifest, rehash, relocate_external_data, write_manifest
 from kvserve.artifact.verify import VerifyError, verify_artifacts
@@ -135,3 +138,19 @@ def test_symlinked_directory(artifact_copy, tmp_path, capsys):
 def test_no_manifest(artifact_copy, capsys):
     (artifact_copy / "manifest.json").unlink()
     _refused(artifact_copy, r"has no manifest\.json", capsys)
+
+
+@pytest.mark.parametrize("name,portable", [(n, False) for n in CONFIGS] + [("gpt2", True),
+                                                                          ("llama", True)])
+def test_position_tables_are_found_by_their_names(store, name, portable):
+    """The tables with a row per position (RoPE's cos / sin, learned or sinusoidal positions)
+    are found under the names the export writes, in every graph that has them, so a
+    config.json that claims more positions than they hold is refused; a graph that computes
+    its positions' rows (no positions; the portable graphs' RoPE) has none to check."""
+    root = store.artifact(name, portable=portable)
+    cfg = make_config(name)
+    computed = cfg.positions == "none" or (portable and cfg.positions != "learned")
+    for g, spec in read_manifest(root)["graphs"].items():
+        model = onnx.load(root / spec["file"], load_external_data=False)
+        assert schema.position_rows(model) == (None if computed else cfg.max_seq_len), g
+

@@ -163,6 +163,14 @@ def config_gqa_not_the_graphs(root):  # same head size, other KV heads
     return _config(root, n_kv_heads=4), ["config.json does not match graph", "n_kv_heads 4"]
 
 
+def config_max_seq_len_past_the_graphs(root):  # was: onnxruntime's error at the first
+    # position past RoPE's table ("cos_cache dimension 0 shall not be less than ...")
+    n = json.loads((root / "config.json").read_text())["max_seq_len"]
+    return _config(root, max_seq_len=n + 1), [
+        "config.json does not match graph", f"max_seq_len {n + 1} in config.json, position "
+                                            f"tables of {n} rows in the graph"]
+
+
 def config_deeply_nested(root):
     (root / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     rehash(root, "config.json")
@@ -227,7 +235,7 @@ def manifest_format_version_from_the_future(root):  # a newer exporter's contrac
 REHASHED = [config_n_layers_1e9, config_vocab_size_1e9, config_d_model_2_30,
             config_max_seq_len_1e12, config_n_layers_float, config_n_heads_not_the_graphs,
             config_n_layers_not_the_graphs, config_vocab_not_the_graphs, config_gqa_not_the_graphs,
-            config_deeply_nested, manifest_files_is_a_list, manifest_deeply_nested,
+            config_max_seq_len_past_the_graphs, config_deeply_nested, manifest_files_is_a_list, manifest_deeply_nested,
             manifest_nested_beyond_the_schema, manifest_graph_without_file,
             manifest_bytes_not_a_number, manifest_logits_rows_not_a_name,
             manifest_logits_rows_names_the_ids, manifest_format_version_from_the_future]
