@@ -223,6 +223,15 @@ class Constraint:
         if self.matcher.is_error():
             raise InvalidArgument(f"{spec.field}: {_first_line(self.matcher.get_error())}")
         self._mask = lln.allocate_token_bitmask(1, guide.vocab_size)
+        # a grammar that admits no first token fails only when its first mask is computed
+        # (a JSON schema that is nothing but a $ref to itself: the reply was "", finished by
+        # the end token its error state allows)
+        self.fill(self._mask)
+        if self.matcher.is_error():
+            raise InvalidArgument(f"{spec.field}: no output satisfies this {spec.kind} "
+                                  "constraint (it admits no first token, e.g. a schema that "
+                                  "only refers to itself; llguidance: "
+                                  f"{_first_line(self.matcher.get_error())})")
 
     def fill(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed-token bitmask (int32 words, bit i of word w = token 32*w+i)."""
@@ -254,6 +263,13 @@ class Constraint:
     def forced(self) -> list[int]:
         """Tokens the grammar forces next (may be empty); not yet consumed."""
         return list(self.matcher.compute_ff_tokens())
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher cannot go on, else None: it found no token to allow after what is
+        written (a grammar with no way out from here: a schema property whose ``$ref`` leads
+        only back to itself), or passed its limits; its mask then allows only an end token."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     @property
     def done(self) -> bool:

@@ -35,6 +35,10 @@ CONSTRAINT_STUCK = ("the constraint cannot go on: its matcher refused a token it
                     "as that token (constrain with text the tokenizer spells out); a grammar "
                     "past the matcher's limits (e.g. a repetition count in the millions)")
 
+CONSTRAINT_DEAD_END = ("the constraint allows no next token after the output so far "
+                       "({reason}): no complete output satisfies it from here (e.g. a JSON "
+                       "schema property whose $ref leads only back to itself)")
+
 
 def token_event(k: int, tok: int, raw: np.ndarray, attention, stop: StopCheck,
                 out: OutputParams) -> TokenEvent:
@@ -83,6 +87,11 @@ class OutputProcessor:
         k = len(seq.generated)
         complete = False
         if req.constraint is not None:
+            if (dead := req.constraint.error) is not None:  # (the end token its mask allowed
+                # would finish the request as if its output were complete)
+                self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_DEAD_END.format(
+                    reason=dead))
+                return StopCheck("", FinishReason.CONSTRAINT)
             try:
                 req.constraint.consume(tok)
             except ConstraintViolation as e:  # (its own mask allowed it: llguidance corners)

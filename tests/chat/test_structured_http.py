@@ -112,3 +112,16 @@ def test_bad_constraints_are_400_naming_the_field(tools_oai, extra, param, fragm
     err = e.value.body
     assert err["param"] == param, err
     assert param in err["message"] and fragment in err["message"], err
+
+
+def test_a_dead_end_schema_is_a_400_not_a_reply(tools_oai):
+    """A schema whose required property leads only back to itself: 400 (constraint_stuck),
+    not '{"a":' finished with "stop"."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}},
+              "required": ["a"], "$defs": {"n": {"$ref": "#/$defs/n"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(openai.BadRequestError) as e:
+        tools_oai.chat.completions.create(model="artifact", messages=MSGS, max_tokens=16,
+                                          response_format=rf)
+    err = e.value.body
+    assert err["code"] == "constraint_stuck" and "allows no next token" in err["message"], err

@@ -84,6 +84,7 @@ def test_forced_tokens_are_fast_forwarded_and_counted(app, stub):
     (pb.Structured(grammar="start: undefined_rule"), "structured.grammar"),
     (pb.Structured(choice=pb.ChoiceList()), "structured.choice"),
     (pb.Structured(json_object=False), "structured"),
+    (pb.Structured(json_schema='{"$ref": "#"}'), "structured.json_schema"),  # no first token
 ])
 def test_bad_constraints_are_refused_naming_the_field(stub, structured, field):
     req = generate_request("hi", max_new_tokens=4)
@@ -92,3 +93,16 @@ def test_bad_constraints_are_refused_naming_the_field(stub, structured, field):
         list(stub.Generate(req, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+def test_a_dead_end_schema_fails_instead_of_finishing(stub):
+    """A required property whose $ref leads only back to itself: llguidance lets '{"a":'
+    through, then allows only an end token; the request ends INVALID_ARGUMENT naming the dead
+    end, where it had finished '{"a":' with the end token as if the JSON were complete."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+              "$defs": {"n": {"$ref": "#/$defs/n"}}}
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(stub, json_schema=schema)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("the constraint allows no next token after the output "
+                                        "so far (NoExtensionBias)"), e.value.details()

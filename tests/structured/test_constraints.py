@@ -113,6 +113,30 @@ def test_refused_token_raises(bpe, bpe_guide):
         c.consume(bpe.token_to_id("x"))
 
 
+# a required property whose $ref leads only back to itself: no complete value exists
+DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+            "$defs": {"n": {"$ref": "#/$defs/n"}}}
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"},
+                                    {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}])
+def test_a_schema_with_no_first_token_is_refused(bpe_guide, schema):
+    """llguidance compiles these; its matcher fails on its first mask (allowing only an end
+    token), which a request took as an empty reply finished by that token."""
+    spec = ConstraintSpec.json_schema(schema)  # (compiles)
+    with pytest.raises(InvalidArgument, match=r"^json_schema: no output satisfies this "
+                                              r"json_schema constraint .*NoExtensionBias"):
+        bpe_guide.constraint(spec)
+
+
+def test_a_dead_end_is_an_error_not_a_completion(bpe, bpe_guide):
+    c = bpe_guide.constraint(ConstraintSpec.json_schema(DEAD_END))
+    assert c.error is None
+    c.consume_tokens(c.forced())  # '{"a":' (forced: the only way on)
+    allowed = np.flatnonzero(c.allowed()).tolist()
+    assert allowed == [bpe.eos_id] and c.error == "NoExtensionBias"
+
+
 def test_apply_masks_in_place_and_matches_llguidance(bpe, bpe_guide):
     import llguidance.numpy as lln
 
