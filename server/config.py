@@ -156,11 +156,14 @@ class ServerConfig:
                                          limit="INVALID_ARGUMENT outside [1/limit, limit]")
     max_abs_penalty: float = _opt(100.0, "bound of |presence_penalty| and |frequency_penalty|",
                                   limit="INVALID_ARGUMENT")
-    request_time_limit: float = _opt(0.0, "seconds a Generate may run (0 = no server limit; "
-                                          "the caller's deadline always applies)",
+    request_time_limit: float = _opt(0.0, "seconds a Generate may take from its arrival, "
+                                          "time queued included (0 = no server limit; the "
+                                          "caller's deadline always applies)",
                                       limit="the stream ends with Complete, finish_reason "
                                             "TIME_LIMIT (the caller's own deadline: "
-                                            "DEADLINE_EXCEEDED)")
+                                            "DEADLINE_EXCEEDED); a request still queued then "
+                                            "never started: RESOURCE_EXHAUSTED (HTTP 429), "
+                                            "retryable")
     max_concurrent_rpcs: int = _opt(0, "gRPC calls in progress (0 = max_batch + max_queue + 16)",
                                     limit="RESOURCE_EXHAUSTED from gRPC itself")
     drain_grace: float = _opt(30.0, "seconds in-flight calls get to finish after SIGTERM",

@@ -279,6 +279,8 @@ class OpenAIApi:
             return ApiError(400, ev.error, code="constraint_stuck")
         if ev.reason is FinishReason.CANCELLED and ev.error:
             return ApiError(503, ev.error, "service_unavailable", code="service_unavailable")
+        if ev.reason is FinishReason.TIME_LIMIT and ev.error:  # never left the queue
+            return ApiError(429, ev.error, "rate_limit_error", code="rate_limit_exceeded")
         return None
 
     @staticmethod

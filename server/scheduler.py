@@ -17,6 +17,11 @@ from .interfaces import KVCache
 from .output import OutputProcessor
 from .sequence import Sequence
 
+# a request whose time limit passed while it waited for a slot (its FinishEvent's error: the
+# gRPC caller gets RESOURCE_EXHAUSTED, an HTTP one 429, both retryable, not an empty success)
+QUEUED_OUT = ("the server is at capacity: the request waited {seconds:.1f} s for a batch slot, "
+              "up to its time limit, and never started; retry later")
+
 
 class Scheduler:
     def __init__(self, kv: KVCache, *, max_batch: int, max_queue: int, max_seq_len: int,
@@ -61,7 +66,10 @@ class Scheduler:
             if seq.handle.cancelled:
                 self.output.finish(seq, FinishReason.CANCELLED)
             elif seq.req.deadline is not None and now >= seq.req.deadline:
-                self.output.finish(seq, FinishReason.TIME_LIMIT)
+                # never started: capacity, not the request (the gRPC caller's own deadline
+                # is still DEADLINE_EXCEEDED)
+                self.output.finish(seq, FinishReason.TIME_LIMIT, error=QUEUED_OUT.format(
+                    seconds=now - seq.submitted))
             else:
                 keep.append(seq)
         self.waiting = keep

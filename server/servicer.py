@@ -224,6 +224,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if rem is not None and rem <= 0.05:
                     context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"deadline exceeded after {ev.generated_tokens} tokens")
+                if ev.error:  # the server's time limit passed while it was still queued
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, ev.error)
             if ev.reason is FinishReason.CONSTRAINT and ev.error:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, ev.error)
             if ev.reason is FinishReason.CANCELLED and ev.error:

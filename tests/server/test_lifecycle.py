@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -312,3 +313,59 @@ def test_a_profiler_attaching_does_not_stop_the_server(artifact, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+
+
+def test_time_limit_in_the_queue_is_resource_exhausted(artifact, monkeypatch):
+    """--request-time-limit counts from submission: a request that spends all of it waiting
+    for a slot never started, and is told so with a retryable status (gRPC
+    RESOURCE_EXHAUSTED, HTTP 429), not an empty success; one that ran ends with Complete,
+    TIME_LIMIT, and the tokens it made."""
+    import threading
+
+    with running_app(artifact, max_batch=1, request_time_limit=0.5, http_port=0) as app:
+        gate = threading.Event()
+        decode = app.lm.decode
+
+        def held(*a, **kw):  # the engine's step waits until both requests' limits passed
+            gate.wait(30)
+            return decode(*a, **kw)
+
+        monkeypatch.setattr(app.lm, "decode", held)
+        monkeypatch.setattr(app.engine.runner, "spec", None)
+        ch = grpc.insecure_channel(f"127.0.0.1:{app.port}")
+        stub = pb_grpc.InferenceStub(ch)
+        a = stub.Generate(gen_request("x", 50))
+        next(a)  # a holds the only slot; its first step waits at the gate
+        b = stub.Generate(gen_request("y", 4))
+        assert wait_for(lambda: app.engine.load()["queued"] == 1, 5.0)
+        http = {}
+
+        def post():
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{app.http_port}/v1/completions",
+                json.dumps({"model": "artifact", "prompt": [5, 6, 7], "max_tokens": 4}).encode(),
+                {"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=30)
+            except urllib.error.HTTPError as e:
+                http["status"], http["body"] = e.code, json.loads(e.read())
+
+        t = threading.Thread(target=post)
+        t.start()
+        assert wait_for(lambda: app.engine.load()["queued"] == 2, 5.0)
+        time.sleep(0.6)  # past both queued requests' limits
+        gate.set()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(b)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert re.fullmatch(r"the server is at capacity: the request waited \d+\.\d s for a "
+                            r"batch slot, up to its time limit, and never started; retry later",
+                            e.value.details()), e.value.details()
+        t.join(30)
+        assert http["status"] == 429, http
+        assert http["body"]["error"]["code"] == "rate_limit_exceeded"
+        assert "never started" in http["body"]["error"]["message"]
+        chunks, done = collect(a)  # it ran: its tokens, then TIME_LIMIT
+        assert done.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+        assert 1 <= done.generated_tokens < 50
+        ch.close()
