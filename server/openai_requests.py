@@ -359,7 +359,7 @@ def _completion_prompts(p: Any, prompts: Prompts, lim: V.Limits
 
 
 def chat_messages(v: Any, lim: V.Limits) -> list[dict]:
-    """The request's messages as the template receives them: text parts joined, a null
+    """The request's messages as the template receives them: text parts joined by newlines, a null
     content "" (kept null beside ``tool_calls``); the other keys are checked by
     ``Prompts.check_messages`` (``chat_messages.MESSAGE_KEYS``)."""
     if not isinstance(v, list) or not v:
@@ -384,7 +384,9 @@ def chat_messages(v: Any, lim: V.Limits) -> list[dict]:
                        and isinstance(part.get("text"), str) for part in content):
                 raise bad(f"messages[{i}].content parts must be {{type: 'text', text}} (only "
                           "text is supported)", "messages")
-            content = "".join(part["text"] for part in content)
+            # one string, as vLLM hands a text-only message to the template (its
+            # chat_utils: "\n".join of the parts)
+            content = "\n".join(part["text"] for part in content)
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or an array of text parts",
                       "messages")

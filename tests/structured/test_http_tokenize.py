@@ -121,6 +121,17 @@ def test_tokenize_messages_as_apply_chat_template(qwen3):
     assert r.json()["tokens"] == ref(text, add_special_tokens=False)["input_ids"]
 
 
+def test_text_parts_are_joined_by_newlines(qwen3):
+    """A message's content as text parts is one string to the template, the parts joined by
+    "\n" (vLLM's chat_utils does the same for a text-only message)."""
+    s, ref = qwen3
+    parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second."}]
+    r = post(s, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    want = ref.apply_chat_template([{"role": "user", "content": "First part.\nSecond."}],
+                                   tokenize=True, add_generation_prompt=True)
+    assert r.json()["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want)
+
+
 def test_detokenize(qwen3):
     s, ref = qwen3
     ids = ref("naïve café 😀 <|im_end|>", add_special_tokens=False)["input_ids"]
