@@ -7,10 +7,24 @@ import platform
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# a source checkout (the tree itself, or an editable install of it) holds the committed
+# results and docs beside bench/; an installed package has neither (REPO is then the package
+# in site-packages, which nothing may write into)
+CHECKOUT = (REPO / "pyproject.toml").is_file()
 RESULTS = REPO / "bench" / "results"  # committed results: written only when asked for
 # the generated block of this page holds the committed tables
 BENCH_DOC = REPO / "docs" / "benchmarks.md"
-CACHE = REPO / ".bench"  # built models and scratch results (git-ignored)
+# built models and scratch results (git-ignored in a checkout; else under the working directory)
+CACHE = (REPO if CHECKOUT else Path.cwd()) / ".bench"
+
+
+def committed_results(what: str) -> Path:
+    """``RESULTS``, for ``what`` (the option that reads or writes them): a checkout's only."""
+    if not CHECKOUT:
+        raise SystemExit(f"kvserve bench: {what} reads and writes the committed results of a "
+                         f"kvserve source checkout (bench/results, docs/benchmarks.md); this "
+                         f"is an installed package: run it from a checkout, or give --results")
+    return RESULTS
 
 
 def loadavg() -> float:

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_DOC, CACHE, RESULTS, loadavg, machine, versions
+from .common import BENCH_DOC, CACHE, RESULTS, committed_results, loadavg, machine, versions
 from .merge import merge_runners, merge_speed
 from .turns import SETTLE
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "generated block of docs/benchmarks.md; without it neither is "
                              "touched")
     parser.add_argument("--cache", default=str(CACHE),
-                        help="where built models live (reused by later runs)")
+                        help="where built models live, reused by later runs (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, every runner")
     parser.add_argument("--repeats", type=_at_least_one, default=None,
                         help="rounds: how many turns each runner takes at each cell, keeping "
@@ -90,7 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before each size's runners, wait (at most --wait-max seconds) until "
                              "other processes use less than CORES cores (0 = do not wait); "
                              "the 1-minute load average is recorded either way")
-    parser.add_argument("--wait-max", type=float, default=900.0)
+    parser.add_argument("--wait-max", type=float, default=900.0, metavar="SECONDS",
+                        help="the longest --wait-load waits for a quiet machine before "
+                             "measuring anyway (default: %(default)s)")
     parser.add_argument("--speed-only", action="store_true",
                         help="only the prefix cache's and speculation's cells (shared prefix, "
                              "chat replay, speculation); merged into the size's results JSON "
@@ -441,11 +443,11 @@ def choose_results_dir(args: argparse.Namespace) -> Path:
         if args.results and Path(args.results).resolve() != RESULTS.resolve():
             raise SystemExit("kvserve bench: --update-committed writes bench/results; drop "
                              "--results (or drop --update-committed)")
-        return RESULTS
+        return committed_results("--update-committed")
     if args.results:
         return Path(args.results)
     if args.render_only:
-        return RESULTS
+        return committed_results("--render-only without --results")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return Path(args.cache) / "results" / (stamp + ("-quick" if args.quick else ""))
 

@@ -232,6 +232,25 @@ def test_results_go_to_a_fresh_directory_unless_asked(tmp_path):
         where("--update-committed", "--results", str(tmp_path / "mine"))
 
 
+def test_an_installed_package_writes_nothing_into_itself(tmp_path, monkeypatch):
+    """Installed (not a checkout), ``REPO`` is the package in site-packages: the committed
+    results are refused with a message; scratch results go under --cache (whose default is
+    the working directory's .bench there, bench/common.py)."""
+    import argparse
+
+    from kvserve.bench import common, main as bench_main
+
+    monkeypatch.setattr(common, "CHECKOUT", False)
+    p = argparse.ArgumentParser()
+    bench_main.add_arguments(p)
+    for argv in (["--update-committed"], ["--render-only"]):
+        with pytest.raises(SystemExit, match="is an installed package: run it from a "
+                                             "checkout, or give --results"):
+            bench_main.choose_results_dir(p.parse_args(["--cache", str(tmp_path), *argv]))
+    got = bench_main.choose_results_dir(p.parse_args(["--cache", str(tmp_path)]))
+    assert got.parent == tmp_path / "results"
+
+
 def test_decode_cost_out_and_update_committed_exclude_each_other(capsys):
     from kvserve.bench.decode_cost import main
 
