@@ -87,6 +87,9 @@ def load_public_key(path: str | Path):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     data = _read_key_file(path, "trusted key")
+    if b"PRIVATE KEY-----" in data:  # (the signing key itself: its public half is beside it)
+        raise SignatureError(f"trusted key {path} is a private key: give its public key "
+                             f"({path}.pub, written beside it by --generate-key)")
     try:
         key = serialization.load_pem_public_key(data)
     except ValueError:

@@ -237,9 +237,10 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine started: max_batch=%d max_queue=%d chunk_tokens=%d (prefill up to "
-                 "%d)", self.max_batch, self.max_queue, self.chunk_tokens,
-                 max(self.chunk_tokens, self.sched.prefill_chunk_tokens))
+        log.info("engine started: max_batch=%d max_queue=%d; prompts prefilled up to %d "
+                 "tokens a call, Score inputs up to %d (--score-chunk-floats over the "
+                 "vocabulary)", self.max_batch, self.max_queue,
+                 max(self.chunk_tokens, self.sched.prefill_chunk_tokens), self.chunk_tokens)
         sched = self.sched
         settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise
         while True:

@@ -127,6 +127,13 @@ def test_a_key_that_is_not_ed25519(signed, tmp_path, capsys):
     _verify_refused(signed, tmp_path / "junk.pub", "is not a readable PEM public key", capsys)
 
 
+def test_the_private_key_as_trusted_key_names_its_public_half(signed, keys, capsys):
+    _verify_refused(signed, keys / "a", "is a private key: give its public key", capsys)
+    with pytest.raises(VerifyError) as e:
+        verify_artifacts(signed, trusted_key=keys / "a")
+    assert f"({keys / 'a'}.pub, written beside it by --generate-key)" in str(e.value)
+
+
 def test_encrypted_signing_key(artifact_copy, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVSERVE_SIGN_KEY_PASSWORD", "s3cret")
     assert cli.main(["sign", "--generate-key", str(tmp_path / "k")]) == 0
