@@ -8,6 +8,8 @@ per (layer, head); the figure is a grid of layers (rows) x heads (columns).
 from __future__ import annotations
 
 import logging
+import re
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -19,9 +21,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_TICK_LABELS = 48
+_MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")  # matplotlib's warning
 # fonts with CJK glyphs, used after DejaVu Sans for the glyphs it lacks, where installed (the
-# reference articles, and many prompts, are Chinese); none installed: empty boxes and
-# matplotlib's "Glyph ... missing" warnings, as before
+# reference articles, and many prompts, are Chinese); none installed: empty boxes, and one
+# warning naming the characters (matplotlib's own "Glyph ... missing" come per glyph and pass)
 CJK_FONTS = ("Noto Sans CJK SC", "Noto Sans CJK JP", "Noto Sans CJK TC", "Source Han Sans SC",
              "WenQuanYi Zen Hei", "WenQuanYi Micro Hei", "Droid Sans Fallback",
              "Microsoft YaHei", "SimHei", "PingFang SC", "Hiragino Sans GB", "Arial Unicode MS")
@@ -73,8 +76,22 @@ def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Seq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with plt.rc_context({"font.family": font_family()}):
-        return _render(plt, path, tokens, labels, prompt_len)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with plt.rc_context({"font.family": font_family()}):
+            out = _render(plt, path, tokens, labels, prompt_len)
+    glyphs: set[str] = set()
+    for w in caught:  # matplotlib warns per glyph and per drawing pass (three with this layout)
+        m = _MISSING_GLYPH.match(str(w.message))
+        if m:
+            glyphs.add(chr(int(m.group(1))))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if glyphs:
+        warnings.warn(f"{len(glyphs)} characters of the labels are missing from the installed "
+                      f"fonts, drawn as empty boxes ({''.join(sorted(glyphs))[:40]}): install a "
+                      f"CJK font (e.g. Debian's fonts-wqy-zenhei)", UserWarning, stacklevel=2)
+    return out
 
 
 def _render(plt, path: str | Path, tokens: Sequence[TokenEvent], labels: Sequence[str],

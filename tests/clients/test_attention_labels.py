@@ -33,7 +33,8 @@ def _missing_glyph_warnings(tmp_path) -> list[str]:
         warnings.simplefilter("always")
         path = render_attention(tmp_path / "zh.png", _events(), PROMPT + GENERATED, len(PROMPT))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return [str(w.message) for w in caught if "missing from" in str(w.message)]
+    return [str(w.message) for w in caught if "missing from" in str(w.message)
+            or "Glyph" in str(w.message)]
 
 
 def test_font_family_is_dejavu_then_installed_cjk_fonts():
@@ -50,4 +51,9 @@ def test_chinese_labels_draw_with_an_installed_cjk_font(tmp_path):
 def test_without_a_cjk_font_the_figure_is_still_written(tmp_path, monkeypatch):
     import kvserve.clients.attention as A
     monkeypatch.setattr(A, "CJK_FONTS", ())  # as on a machine with none installed
-    assert _missing_glyph_warnings(tmp_path)  # matplotlib says which glyphs it lacks
+    got = _missing_glyph_warnings(tmp_path)  # one warning, naming the characters (not
+    # matplotlib's, one per glyph and drawing pass)
+    chars = set("".join(PROMPT + GENERATED))  # (none of them in DejaVu Sans)
+    assert len(got) == 1 and got[0].startswith(f"{len(chars)} characters of the labels are "
+                                               "missing from the installed fonts"), got
+    assert all(c in got[0] for c in chars), got
