@@ -16,9 +16,10 @@ import os
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "structured-outputs.md"
-RESULTS = ROOT / "bench" / "results" / "constrained.json"
+from .common import REPO, RESULTS as _COMMITTED, committed_results
+
+DOC = REPO / "docs" / "structured-outputs.md"
+RESULTS = _COMMITTED / "constrained.json"
 START, END = "<!-- constrained:start -->", "<!-- constrained:end -->"
 # long enough that neither decode ends before max_new_tokens: 64 short strings
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12},
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true",
                     help="the docs table from bench/results/constrained.json, no measurement")
     args = ap.parse_args(argv)
+    if args.render_only or args.update_docs:
+        committed_results("--render-only" if args.render_only else "--update-docs")
     if args.render_only:
         write_doc(json.loads(RESULTS.read_text()))
         return 0

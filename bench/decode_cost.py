@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import CACHE, RESULTS, cpu_model
+from kvserve.bench.common import CACHE, committed_results, cpu_model
 from kvserve.export.logs import quiet_torch_exporter
 
 TARGETS = {1: 1.15, 16: 1.5}  # batch -> max step(last position) / step(first position)
@@ -381,7 +381,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.update_committed and args.out:
         ap.error("--out and --update-committed exclude each other")
     if args.update_committed:
-        args.out = str(RESULTS)
+        args.out = str(committed_results("--update-committed"))
     for name in ("steps", "warmup", "block", "profile_steps"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             ap.error(f"--{name.replace('_', '-')} must be positive")

@@ -24,7 +24,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from .common import RESULTS
+from .common import committed_results
 from .runner_base import prompts_for
 from .runner_kvserve import EngineRunner, LoopRunner
 
@@ -234,7 +234,7 @@ def main(args) -> int:
 
     name = (args.sizes or "bench-6m").split(",")[0]
     built = B.build(name, Path(args.cache), genai=False, int8=False, threads=args.threads)
-    out = Path(args.results) if args.results else RESULTS
+    out = Path(args.results) if args.results else committed_results("--profile without --results")
     profile_to(str(built.fp32), out, args.threads, steps=200)
     print((out / "profile.md").read_text())
     return 0

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import CACHE, RESULTS, cpu_model
+from kvserve.bench.common import CACHE, committed_results, cpu_model
 
 NEW_TOKENS = 64
 HELD_OUT = 8  # held-out files of the trained model's perplexity text
@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and args.update_committed:
         ap.error("--out and --update-committed exclude each other")
     name = f"{args.precision}-blocks.json"
-    out = Path(RESULTS / name if args.update_committed else args.out or Path(args.cache) / name)
+    out = Path(committed_results("--update-committed") / name if args.update_committed
+               else args.out or Path(args.cache) / name)
     if args.render_only:
         out.with_suffix(".md").write_text(render_all(load(out)))
         return 0

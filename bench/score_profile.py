@@ -39,7 +39,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from .common import REPO, RESULTS, loadavg, machine, versions
+from .common import REPO, RESULTS, committed_results, loadavg, machine, versions
 
 DOC = REPO / "docs" / "speed.md"
 OUT = RESULTS / "score-profile.json"
@@ -392,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true",
                     help="the docs block from bench/results/score-profile.json, no measurement")
     args = ap.parse_args(argv)
+    if args.render_only or args.update_docs:
+        committed_results("--render-only" if args.render_only else "--update-docs")
     if args.render_only:
         update_doc(DOC, render(json.loads(OUT.read_text())), START, END)
         return 0

@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_TICK_LABELS = 48
-_MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")  # matplotlib's warning
+# matplotlib's warning: "... missing from font(s) X." (3.9 on), "... missing from current
+# font." (3.8)
+_MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from (?:current )?font")
 # fonts with CJK glyphs, used after DejaVu Sans for the glyphs it lacks, where installed (the
 # reference articles, and many prompts, are Chinese); none installed: empty boxes, and one
 # warning naming the characters (matplotlib's own "Glyph ... missing" come per glyph and pass)
@@ -76,21 +78,28 @@ def render_attention(path: str | Path, tokens: Sequence[TokenEvent], labels: Seq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    glyphs: set[str] = set()
+    # matplotlib warns per missing glyph and per drawing pass (three with this layout): those
+    # are gathered into one warning; any other warning is shown as it would be
+    with warnings.catch_warnings():  # (restores the filters and showwarning; one thread)
+        warnings.filterwarnings("always", message=_MISSING_GLYPH.pattern)
+        show = warnings.showwarning
+
+        def gather(message, category, filename, lineno, file=None, line=None):
+            m = _MISSING_GLYPH.match(str(message))
+            if m:
+                glyphs.add(chr(int(m.group(1))))
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = gather
         with plt.rc_context({"font.family": font_family()}):
             out = _render(plt, path, tokens, labels, prompt_len)
-    glyphs: set[str] = set()
-    for w in caught:  # matplotlib warns per glyph and per drawing pass (three with this layout)
-        m = _MISSING_GLYPH.match(str(w.message))
-        if m:
-            glyphs.add(chr(int(m.group(1))))
-        else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if glyphs:
         warnings.warn(f"{len(glyphs)} characters of the labels are missing from the installed "
                       f"fonts, drawn as empty boxes ({''.join(sorted(glyphs))[:40]}): install a "
-                      f"CJK font (e.g. Debian's fonts-wqy-zenhei)", UserWarning, stacklevel=2)
+                      f"font that has them (for CJK text e.g. Debian's fonts-wqy-zenhei)",
+                      UserWarning, stacklevel=2)
     return out
 
 

@@ -17,6 +17,7 @@ The end tokens (``eos_ids``) are allowed exactly when the grammar accepts what i
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import dataclasses
@@ -31,6 +32,8 @@ import numpy as np
 from .domain import InvalidArgument
 from .validation import check_unicode
 
+log = logging.getLogger(__name__)
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SCHEMA_CHARS = 64 * 1024   # a JSON schema, serialized
 MAX_REGEX_CHARS = 4096
@@ -43,6 +46,12 @@ MAX_CHOICES_CHARS = 64 * 1024  # all choices together
 # --disable-any-whitespace). A schema's own "x-guidance" settings win.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 MAX_ERROR_CHARS = 300          # llguidance's messages quote the grammar: the first line, bounded
+
+
+# what a constraint with no first token typically is, by kind
+_NO_WAY_OUT = {"json_schema": " (e.g. a schema that is only a $ref to itself)",
+               "grammar": " (e.g. a rule that only refers to itself)",
+               "regex": " (e.g. an empty character class)"}
 
 
 class ConstraintViolation(RuntimeError):
@@ -221,17 +230,19 @@ class Constraint:
         self.guide, self.spec = guide, spec
         self.matcher = llg.LLMatcher(guide.ll, spec.grammar, log_level=0)
         if self.matcher.is_error():
-            raise InvalidArgument(f"{spec.field}: {_first_line(self.matcher.get_error())}")
+            raise InvalidArgument(f"{spec.field}: {_first_line(self.matcher.get_error())}",
+                                  field=spec.field)
         self._mask = lln.allocate_token_bitmask(1, guide.vocab_size)
         # a grammar that admits no first token fails only when its first mask is computed
         # (a JSON schema that is nothing but a $ref to itself: the reply was "", finished by
         # the end token its error state allows)
         self.fill(self._mask)
         if self.matcher.is_error():
+            log.debug("%s: no first token (%s)", spec.field,
+                      _first_line(self.matcher.get_error()))
             raise InvalidArgument(f"{spec.field}: no output satisfies this {spec.kind} "
-                                  "constraint (it admits no first token, e.g. a schema that "
-                                  "only refers to itself; llguidance: "
-                                  f"{_first_line(self.matcher.get_error())})")
+                                  f"constraint: it allows no first token"
+                                  f"{_NO_WAY_OUT.get(spec.kind, '')}", field=spec.field)
 
     def fill(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed-token bitmask (int32 words, bit i of word w = token 32*w+i)."""
@@ -265,11 +276,12 @@ class Constraint:
         return list(self.matcher.compute_ff_tokens())
 
     @property
-    def error(self) -> str | None:
-        """Why the matcher cannot go on, else None: it found no token to allow after what is
-        written (a grammar with no way out from here: a schema property whose ``$ref`` leads
-        only back to itself), or passed its limits; its mask then allows only an end token."""
-        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
+    def failed(self) -> bool:
+        """The matcher cannot go on: it found no token to allow after what is written (a
+        grammar with no way out from here: a schema property whose ``$ref`` leads only back
+        to itself), or passed its limits; its mask then allows only an end token. Its own
+        reason (llguidance's terms): ``matcher.get_error()``."""
+        return self.matcher.is_error()
 
     @property
     def done(self) -> bool:

@@ -237,10 +237,11 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
-        log.info("engine started: max_batch=%d max_queue=%d; prompts prefilled up to %d "
-                 "tokens a call, Score inputs up to %d (--score-chunk-floats over the "
-                 "vocabulary)", self.max_batch, self.max_queue,
-                 max(self.chunk_tokens, self.sched.prefill_chunk_tokens), self.chunk_tokens)
+        log.info("engine started: max_batch=%d max_queue=%d; a model call feeds up to %d "
+                 "prompt tokens, %d where every row's logits or attention come back (Score, "
+                 "diagnostics: --score-chunk-floats over the vocabulary)", self.max_batch,
+                 self.max_queue, max(self.chunk_tokens, self.sched.prefill_chunk_tokens),
+                 self.chunk_tokens)
         sched = self.sched
         settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise
         while True:

@@ -271,7 +271,12 @@ class OpenAIApi:
 
     # --- responses -----------------------------------------------------------------------------
     @staticmethod
-    def _finish_error(ev: FinishEvent, rid: str) -> ApiError | None:
+    def _finish_error(ev: FinishEvent, rid: str, started: bool) -> ApiError | None:
+        """The error a choice's finish makes of the whole request, or None. ``started``: a
+        choice of the request has made a token (then one that never left the queue is an
+        empty choice, finish "length", as the others' limit passed too: with n or prompts
+        beyond --max-batch the last ones wait behind their siblings, and a 429 would come back
+        on every retry)."""
         if ev.reason is FinishReason.ERROR:
             return ApiError(500, f"generation failed (internal error); request {rid}",
                             "server_error", code="internal_error")
@@ -279,7 +284,8 @@ class OpenAIApi:
             return ApiError(400, ev.error, code="constraint_stuck")
         if ev.reason is FinishReason.CANCELLED and ev.error:
             return ApiError(503, ev.error, "service_unavailable", code="service_unavailable")
-        if ev.reason is FinishReason.TIME_LIMIT and ev.error:  # never left the queue
+        if ev.reason is FinishReason.TIME_LIMIT and ev.error and not started:  # nothing of
+            # the request ran before its time limit: at capacity
             return ApiError(429, ev.error, "rate_limit_error", code="rate_limit_exceeded")
         return None
 
@@ -331,7 +337,7 @@ class OpenAIApi:
             if isinstance(ev, TokenEvent):
                 tokens[i].append(ev)
                 continue
-            err = self._finish_error(ev, rid)
+            err = self._finish_error(ev, rid, any(tokens.values()))
             if err is not None:
                 raise err
             finishes[i] = ev
@@ -375,12 +381,14 @@ class OpenAIApi:
             self._no_generation(parsed, n)
         for i, ev in finishes.items():
             await out.finish(i, ev)
+        started = False
         while len(finishes) < n:
             i, ev = await q.get()
             if isinstance(ev, TokenEvent):
+                started = True
                 await out.token(i, ev)
                 continue
-            err = self._finish_error(ev, rid)
+            err = self._finish_error(ev, rid, started)
             if err is not None:  # the status is sent already: the error goes in the stream
                 await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                 return resp

@@ -35,9 +35,14 @@ CONSTRAINT_STUCK = ("the constraint cannot go on: its matcher refused a token it
                     "as that token (constrain with text the tokenizer spells out); a grammar "
                     "past the matcher's limits (e.g. a repetition count in the millions)")
 
-CONSTRAINT_DEAD_END = ("the constraint allows no next token after the output so far "
-                       "({reason}): no complete output satisfies it from here (e.g. a JSON "
-                       "schema property whose $ref leads only back to itself)")
+CONSTRAINT_DEAD_END = ("the constraint allows no next token after the output so far: no "
+                       "complete output satisfies it from here (e.g. a JSON schema property, "
+                       "required or not, whose $ref leads only back to itself); fix the "
+                       "constraint")
+
+# the metrics' outcome of a finish that carries an error, where it differs from the reason's
+_FAILED = {FinishReason.TIME_LIMIT: "queued_out",  # never left the queue
+           FinishReason.CONSTRAINT: "constraint_failed"}  # stuck, or a dead end
 
 
 def token_event(k: int, tok: int, raw: np.ndarray, attention, stop: StopCheck,
@@ -87,10 +92,12 @@ class OutputProcessor:
         k = len(seq.generated)
         complete = False
         if req.constraint is not None:
-            if (dead := req.constraint.error) is not None:  # (the end token its mask allowed
-                # would finish the request as if its output were complete)
-                self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_DEAD_END.format(
-                    reason=dead))
+            if req.constraint.failed:  # (the end token its mask allowed would finish the
+                # request as if its output were complete)
+                log.info("request %s: its constraint has no way on after %d tokens (%s)",
+                         seq.handle.request_id, len(seq.generated),
+                         req.constraint.matcher.get_error().splitlines()[0][:200])
+                self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_DEAD_END)
                 return StopCheck("", FinishReason.CONSTRAINT)
             try:
                 req.constraint.consume(tok)
@@ -172,7 +179,8 @@ class OutputProcessor:
                          generated_tokens=len(seq.generated), text="".join(seq.text),
                          timings=t, stop_sequence=stop_sequence, stop_token_id=stop_token,
                          error=error, cached_tokens=seq.cached_tokens)
-        self.metrics.finished(reason.value, len(seq.generated))
+        self.metrics.finished(_FAILED.get(reason, reason.value) if error else reason.value,
+                              len(seq.generated))
         log.info("request %s finished: %s, prompt %d, generated %d, queue %.3fs, ttft %.3fs, "
                  "total %.3fs", seq.handle.request_id, reason.value, ev.prompt_tokens,
                  ev.generated_tokens, t.queue, t.ttft, t.total)

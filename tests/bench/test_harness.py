@@ -251,6 +251,24 @@ def test_an_installed_package_writes_nothing_into_itself(tmp_path, monkeypatch):
     assert got.parent == tmp_path / "results"
 
 
+@pytest.mark.parametrize("module, argv", [
+    ("decode_cost", ["--update-committed"]), ("quant_blocks", ["--update-committed"]),
+    ("score_profile", ["--update-docs"]), ("score_profile", ["--render-only"]),
+    ("constrained_decode", ["--update-docs"]), ("spec_replay", ["--update"]),
+])
+def test_the_other_bench_scripts_refuse_committed_writes_when_installed(module, argv,
+                                                                       monkeypatch):
+    """Each refuses before it measures anything (a run's minutes are not lost)."""
+    import importlib
+
+    from kvserve.bench import common
+
+    monkeypatch.setattr(common, "CHECKOUT", False)
+    main = importlib.import_module(f"kvserve.bench.{module}").main
+    with pytest.raises(SystemExit, match="is an installed package"):
+        main(argv)
+
+
 def test_decode_cost_out_and_update_committed_exclude_each_other(capsys):
     from kvserve.bench.decode_cost import main
 

@@ -104,6 +104,10 @@ def test_regex_choice_and_grammar_hold(tools_oai):
     ({"guided_json": {"type": "string", "pattern": "(?=a)b"}}, "guided_json", "look-around"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format",
      "send one"),
+    # compiles, but its matcher allows no first token (found when the matcher is made)
+    ({"guided_json": {"$ref": "#"}}, "guided_json", "allows no first token"),
+    ({"structured_outputs": {"regex": "[a&&b]"}}, "structured_outputs.regex",
+     "allows no first token"),
 ])
 def test_bad_constraints_are_400_naming_the_field(tools_oai, extra, param, fragment):
     with pytest.raises(openai.BadRequestError) as e:

@@ -57,3 +57,13 @@ def test_without_a_cjk_font_the_figure_is_still_written(tmp_path, monkeypatch):
     assert len(got) == 1 and got[0].startswith(f"{len(chars)} characters of the labels are "
                                                "missing from the installed fonts"), got
     assert all(c in got[0] for c in chars), got
+
+
+@pytest.mark.parametrize("message", [
+    "Glyph 27880 (\\N{CJK UNIFIED IDEOGRAPH-6CE8}) missing from font(s) DejaVu Sans.",  # 3.9+
+    "Glyph 27880 (\\N{CJK UNIFIED IDEOGRAPH-6CE8}) missing from current font.",  # 3.8
+])
+def test_both_forms_of_matplotlibs_warning_are_gathered(message):
+    from kvserve.clients.attention import _MISSING_GLYPH
+
+    assert chr(int(_MISSING_GLYPH.match(message).group(1))) == "注"

@@ -340,13 +340,14 @@ def test_time_limit_in_the_queue_is_resource_exhausted(artifact, monkeypatch):
         assert wait_for(lambda: app.engine.load()["queued"] == 1, 5.0)
         http = {}
 
-        def post():
+        def post(n=1):
             req = urllib.request.Request(
                 f"http://127.0.0.1:{app.http_port}/v1/completions",
-                json.dumps({"model": "artifact", "prompt": [5, 6, 7], "max_tokens": 4}).encode(),
-                {"Content-Type": "application/json"})
+                json.dumps({"model": "artifact", "prompt": [5, 6, 7], "max_tokens": 40,
+                            "n": n}).encode(), {"Content-Type": "application/json"})
             try:
-                urllib.request.urlopen(req, timeout=30)
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    http["status"], http["body"] = r.status, json.loads(r.read())
             except urllib.error.HTTPError as e:
                 http["status"], http["body"] = e.code, json.loads(e.read())
 
@@ -362,6 +363,7 @@ def test_time_limit_in_the_queue_is_resource_exhausted(artifact, monkeypatch):
                             r"batch slot, up to its time limit, and never started; retry later",
                             e.value.details()), e.value.details()
         t.join(30)
+        assert app.metrics.requests.get(rpc="Generate", outcome="queued_out") == 2
         assert http["status"] == 429, http
         assert http["body"]["error"]["code"] == "rate_limit_exceeded"
         assert "never started" in http["body"]["error"]["message"]
@@ -369,3 +371,18 @@ def test_time_limit_in_the_queue_is_resource_exhausted(artifact, monkeypatch):
         assert done.finish_reason == pb.FINISH_REASON_TIME_LIMIT
         assert 1 <= done.generated_tokens < 50
         ch.close()
+        # n = 2 over one slot: the second choice waits behind the first until both limits
+        # pass; part of the request ran, so it is an answer (the waiting choice empty,
+        # "length"), not a 429 that every retry would meet again
+        gate.clear()
+        t = threading.Thread(target=post, kwargs=dict(n=2))
+        http.clear()
+        t.start()
+        assert wait_for(lambda: app.engine.load()["queued"] == 1, 5.0)
+        time.sleep(0.6)
+        gate.set()
+        t.join(30)
+        assert http["status"] == 200, http
+        first, second = sorted(http["body"]["choices"], key=lambda c: c["index"])
+        assert first["text"] and first["finish_reason"] == "length"
+        assert second["text"] == "" and second["finish_reason"] == "length"

@@ -125,16 +125,19 @@ def test_a_schema_with_no_first_token_is_refused(bpe_guide, schema):
     token), which a request took as an empty reply finished by that token."""
     spec = ConstraintSpec.json_schema(schema)  # (compiles)
     with pytest.raises(InvalidArgument, match=r"^json_schema: no output satisfies this "
-                                              r"json_schema constraint .*NoExtensionBias"):
+                                              r"json_schema constraint: it allows no first "
+                                              r"token \(e\.g\. a schema that is only a \$ref "
+                                              r"to itself\)$") as e:
         bpe_guide.constraint(spec)
+    assert e.value.field == "json_schema"  # (HTTP's param)
 
 
 def test_a_dead_end_is_an_error_not_a_completion(bpe, bpe_guide):
     c = bpe_guide.constraint(ConstraintSpec.json_schema(DEAD_END))
-    assert c.error is None
     c.consume_tokens(c.forced())  # '{"a":' (forced: the only way on)
+    assert not c.failed
     allowed = np.flatnonzero(c.allowed()).tolist()
-    assert allowed == [bpe.eos_id] and c.error == "NoExtensionBias"
+    assert allowed == [bpe.eos_id] and c.failed
 
 
 def test_apply_masks_in_place_and_matches_llguidance(bpe, bpe_guide):
