@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .cache import KVCache
-from .sampling import SamplingParams, make_rng, next_token
+from .sampling import SamplingParams, next_token, request_seed
 from .transformer import ModelOutput, Transformer, default_position_ids
 
 
@@ -84,7 +84,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
     ids, mask = left_pad(prompts, model.cfg.pad_token_id or 0)
     cache = KVCache(model.cfg, B, capacity=ids.shape[1] + max_new_tokens,
                     dtype=next(model.parameters()).dtype)
-    rngs = [make_rng(params.seed) if not params.greedy else None for _ in range(B)]
+    seeds = [request_seed(params.seed) if not params.greedy else None for _ in range(B)]
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_logits: list[list[np.ndarray]] = [[] for _ in range(B)]
     done = [False] * B
@@ -100,7 +100,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
                 out_logits[b].append(logits[b].copy())
             gen = np.asarray(out_tokens[b], dtype=np.int64)
             ctx = np.concatenate([np.asarray(prompts[b], dtype=np.int64), gen])
-            t = next_token(logits[b], params, rngs[b], ctx, gen)
+            t = next_token(logits[b], params, seeds[b], len(gen), ctx, gen)
             out_tokens[b].append(t)
             done[b] = (eos_id is not None and t == eos_id)
             nxt.append(t)

@@ -4,18 +4,34 @@ Order of operations for one row of logits (V,):
   penalties (repetition, presence, frequency) -> greedy argmax if temperature == 0
   -> temperature -> top-k -> top-p -> min-p -> draw.
 
-Seed rule (so that any two implementations agree): a request with a seed owns
-``numpy.random.Generator(PCG64(seed))``; each sampled step draws exactly one ``u = rng.random()``
-and picks the first token whose cumulative probability, over tokens sorted by descending
-probability (ties by ascending id), exceeds ``u * total``. Greedy steps draw nothing.
+Seed rule (so that any two implementations agree): the token a sampled step chooses at output
+position k (the request's k-th generated token, from 0) is the Gumbel-max draw
+
+    argmax over v of  x[v] - log(-log(u[v]))     (ties: the lowest id)
+
+over the step's scaled, filtered logits x (removed tokens at -inf), where u are V uniforms
+that depend on the seed and k alone: ``Generator(Philox(key=(seed mod 2^64, seed >> 64 mod
+2^64), counter=(0, k, 0, 0))).random(V)`` (``position_uniforms``). Greedy steps draw nothing;
+a request without a seed gets a random one of its own (``request_seed``).
+
+It is an exact draw from softmax(x), and a function of (seed, k, logits) with no generator
+state, so a speculative verification, a resumed stream or any batch makes the draws the plain
+path makes; a token changes only where the two best perturbed scores are within the logits'
+rounding. The inverse-CDF rule it replaced (one ``PCG64(seed)`` uniform a step over the tokens
+sorted by probability) changed 0.05-4.3% of draws when the logits moved by 1e-6 of their
+largest (4k-152k tokens), this one none of 2,000 a setting (``tests/model/test_sampling.py``),
+and it needs no sort: 0.10 / 0.69 / 3.5 ms a draw against 0.23 / 3.9 / 22 ms at 4,096 /
+32,000 / 151,936 tokens (2 cores, numpy).
 """
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 NEG_INF = np.float32(-np.inf)
+_U64 = (1 << 64) - 1
 # A temperature below this is greedy (vLLM's rule too): dividing float32 logits by ~1e-38 and
 # less overflows to inf, and inf - inf made the sampled token garbage (NaN probabilities),
 # while any temperature this small draws the argmax anyway.
@@ -43,8 +59,17 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def make_rng(seed: int | None) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(seed))
+def request_seed(seed: int | None) -> int:
+    """The seed a sampled request draws with: its own, else a fresh random one."""
+    return int(seed) if seed is not None else secrets.randbits(64)
+
+
+def position_uniforms(seed: int, position: int, n: int) -> np.ndarray:
+    """The ``n`` uniforms in [0, 1) of output position ``position`` under ``seed`` (the seed
+    rule; each position its own Philox counter block, so positions never share a stream)."""
+    key = np.array([seed & _U64, (seed >> 64) & _U64], np.uint64)
+    counter = np.array([0, position & _U64, 0, 0], np.uint64)
+    return np.random.Generator(np.random.Philox(key=key, counter=counter)).random(n)
 
 
 def apply_penalties(logits: np.ndarray, context_ids: np.ndarray, generated_ids: np.ndarray,
@@ -101,21 +126,26 @@ def sorted_order(probs: np.ndarray) -> np.ndarray:
     return np.argsort(-probs, kind="stable")
 
 
-def draw(probs: np.ndarray, u: float) -> int:
-    order = sorted_order(probs)
-    cum = np.cumsum(probs[order], dtype=np.float64)
-    idx = int(np.searchsorted(cum, u * cum[-1], side="right"))
-    return int(order[min(idx, len(order) - 1)])
+def draw(x: np.ndarray, seed: int, position: int) -> int:
+    """The seed rule's Gumbel-max draw from scaled, filtered logits ``x`` (V,) (-inf: removed)
+    at output position ``position``."""
+    u = position_uniforms(seed, position, x.shape[-1])
+    kept = np.flatnonzero(np.isfinite(x))
+    if not kept.size:  # (nothing allowed: the caller's masks left no token)
+        return int(np.argmax(x))
+    with np.errstate(divide="ignore"):  # (u = 0: its token's score is -inf)
+        scores = x[kept].astype(np.float64) - np.log(-np.log(u[kept]))
+    return int(kept[np.argmax(scores)])
 
 
-def next_token(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator | None,
+def next_token(logits: np.ndarray, p: SamplingParams, seed: int | None, position: int,
                context_ids: np.ndarray, generated_ids: np.ndarray) -> int:
-    """One step for one row: logits (V,) -> token id."""
+    """One step for one row: logits (V,) -> token id. ``seed``: the request's (``request_seed``;
+    unused when greedy); ``position``: the index of the token being chosen in its output."""
     x = apply_penalties(logits, context_ids, generated_ids, p)
     if p.greedy:
         return int(np.argmax(x))
-    probs = softmax(filter_logits(x, p))
-    return draw(probs, (rng if rng is not None else make_rng(None)).random())
+    return draw(filter_logits(x, p), request_seed(seed), position)
 
 
 def token_logprobs(logits: np.ndarray, tok: int, n_top: int

@@ -40,7 +40,7 @@ from typing import Callable, Sequence as Seq
 
 from kvserve.artifact.longrope import LongRopeSwitch
 from kvserve.artifact.prefix_pool import make_prefix_pool
-from kvserve.model.sampling import make_rng
+from kvserve.model.sampling import request_seed
 
 from . import resume
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
@@ -344,7 +344,7 @@ class Engine:
             seq.admitted = now
             self.metrics.admitted(now - seq.submitted, len(seq.req.prompt_ids))
             req = seq.req
-            seq.rng = make_rng(req.sampling.seed) if not req.sampling.greedy else None
+            seq.seed = request_seed(req.sampling.seed) if not req.sampling.greedy else None
             seq.detok = IncrementalDetokenizer(self.token_bytes)
             seq.stopper = StopMatcher(req.stopping.stop)
             constrained = req.constraint is not None

@@ -7,10 +7,9 @@ token, the row feeds them as its draft in the engine's verification call
 (``ModelRunner._verify_step``, shared with the n-gram drafts of other rows), and
 ``spec_verify.verify_row`` keeps each one only if the plain path's own sampling of that
 position picks it: the mask after the previous accepted token, banned ids, penalties and the
-seeded rng's one uniform per sampled step. So outputs are token-identical with fast-forward
-on and off, greedy and seeded (a forced token that the token-level mask would not pick, e.g.
-another tokenization of the same text, is rejected like any wrong draft), and every emitted
-token still draws exactly one uniform (``server.resume`` counts on it).
+seeded draw of that position. So outputs are token-identical with fast-forward on and off,
+greedy and seeded (a forced token that the token-level mask would not pick, e.g. another
+tokenization of the same text, is rejected like any wrong draft).
 
 It is independent of n-gram speculation (``--speculative-tokens``) and of its ``Backoff``
 (forced tokens are accepted almost always: that pause measures the n-gram drafts' gain). What

@@ -454,7 +454,7 @@ class ModelRunner:
         else:
             if not premasked:
                 raw = masked(raw, seq.req)
-            tok = sample_row(raw, seq.req, seq.generated, seq.rng, self.output.eos_ids)
+            tok = sample_row(raw, seq.req, seq.generated, seq.seed, self.output.eos_ids)
         self.output.accept(seq, tok, raw, attention)
         return tok
 

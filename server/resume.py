@@ -5,17 +5,15 @@ At admission (``restore``, called once from ``Engine._admit``) the delivered tok
 replayed through the sequence's detokenizer and stop matcher without making events, so that a
 stop string spanning the boundary is still found and text the matcher held back comes out
 where it would have; they become the sequence's ``generated`` tokens (penalties,
-``min_new_tokens``, ``max_new_tokens`` and token indices count them); a sampled request's
-generator is advanced by the draws they cost; and the engine's usual prefill path feeds
+``min_new_tokens``, ``max_new_tokens`` and token indices count them: a sampled step's draw
+depends on its seed and position only, ``model.sampling``); and the engine's usual prefill path feeds
 prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered tokens, no
 other work.
 
-The draw count is derived, not carried: ``model.sampling`` draws exactly one uniform per
-sampled (non-greedy) step and none on a greedy one, so the n delivered tokens of a sampled
-request cost n draws, of a greedy one none. Tokens a constraint forces are sampled too when
-fast-forwarded (``server.fast_forward``: verified as a draft, one draw each). (A future step
-that chooses a token without a draw must then carry the count in the request.)
-A sampled request without a seed cannot be continued identically and is refused.
+Nothing about the draws is carried: position n's draw is the same whatever came before it,
+so the next token is drawn as the uninterrupted call would have drawn it. A sampled request
+without a seed (the server picks a random one) cannot be continued identically and is
+refused.
 
 ``check`` runs in the caller's thread before submission (INVALID_ARGUMENT for tokens that run
 past the end of the stream they claim to continue); ``restore`` in the engine's.
@@ -96,8 +94,6 @@ def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
     seq.generated.extend(req.resume[:done])
     seq.first_index = done
     seq.prefill_ids = [*req.prompt_ids, *seq.generated]
-    if seq.rng is not None:  # one draw per sampled step (model.sampling)
-        seq.rng.bit_generator.advance(done)
     if stop is None:
         return False
     output.finish(seq, stop.finish, stop_sequence=stop.stop_sequence,

@@ -1,8 +1,9 @@
 """Sampling: one row of logits -> the sequence's next token, with the request's own
 ``SamplingParams`` (``model.sampling``'s pure functions). Ids that may not end the sequence yet
 (``stopping.banned_ids``) are masked first; penalties see the prompt and the tokens generated
-so far. A seeded request owns ``PCG64(seed)`` and draws one ``u`` per sampled step, exactly as
-``model.generate`` does, so its output does not depend on the batch it shares.
+so far. A sampled step draws by the seed rule of ``model.sampling``: from the request's seed
+and the token's position alone, as ``model.generate`` does, so its output does not depend on
+the batch it shares, nor on whether the step was a verification.
 
 This is the one place a token is chosen from logits: logits processors (masks, constraints)
 go here, before ``next_token``; the batch's plain greedy rows take one argmax for the whole
@@ -32,9 +33,10 @@ def masked(raw: np.ndarray, req: GenerateRequest) -> np.ndarray:
 
 
 def sample_row(raw: np.ndarray, req: GenerateRequest, generated: list[int],
-               rng: np.random.Generator | None, eos_ids: frozenset[int]) -> int:
-    """The token chosen from ``raw`` (V,) after ``generated`` (the request's tokens so far).
-    ``raw`` is not modified."""
+               seed: int | None, eos_ids: frozenset[int]) -> int:
+    """The token chosen from ``raw`` (V,) after ``generated`` (the request's tokens so far;
+    the new one's position is their count). ``seed``: the sequence's (None: greedy). ``raw``
+    is not modified."""
     x = raw
     banned = banned_ids(req.stopping, eos_ids, len(generated))
     if banned:
@@ -48,4 +50,4 @@ def sample_row(raw: np.ndarray, req: GenerateRequest, generated: list[int],
         ctx = np.concatenate([np.asarray(req.prompt_ids, np.int64), gen])
     else:
         gen = ctx = _NO_TOKENS
-    return next_token(x, p, rng, ctx, gen)
+    return next_token(x, p, seed, len(generated), ctx, gen)

@@ -7,8 +7,6 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 from .detok import IncrementalDetokenizer, StopMatcher
 from .domain import FinishEvent, GenerateRequest, ScoreRequest, TokenEvent
 from .events import EventChannel
@@ -50,7 +48,7 @@ class Sequence:
     admitted: float = 0.0
     first_token: float = 0.0
     last_token: float = 0.0
-    rng: np.random.Generator | None = None
+    seed: int | None = None  # what its sampled steps draw with (model.sampling); None: greedy
     generated: list[int] = field(default_factory=list)
     forced: collections.deque = field(default_factory=collections.deque)  # prompt tail to feed
     feed: int = 0  # the token fed in the next decode step

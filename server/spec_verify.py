@@ -8,30 +8,29 @@ differently: up to 6.5e-7 of the largest logit on the export matrix). ``verify_r
 walks the rows in order and, at each position, samples the token *the plain path would sample
 there*, with the engine's own per-step function
 (banned ids, penalties over the context so far — accepted draft tokens included — and
-``model.sampling.next_token`` with the sequence's rng):
+``model.sampling.next_token`` with the sequence's seed at the token's position):
 
     for j = 0 .. K:   t_j = sample(j, r_j);  emit t_j;  stop unless j < K and t_j == d_j
 
 Why the output is the plain path's, token for token. By induction on j: while every emitted
 token equals the draft token fed after it, row j's context is the plain path's context at that
 step, so ``sample`` sees the plain path's logits, penalties and banned ids, and — because
-``next_token`` draws exactly one ``u = rng.random()`` per sampled step and none for greedy —
-the rng is in the plain path's state; so t_j is the plain path's token. The walk stops at the
-first t_j != d_j (that token is the correction, the plain path's token too) or after the bonus
-token t_K. No row after the stop is used and no uniform is drawn for it, so the rng ends in the
-plain path's state after the same number of tokens. Hence greedy and seeded outputs are the
-same with and without speculation, and the next step continues identically, as far as the rows
-agree: two candidates closer than that rounding (a greedy near-tie; for a seeded draw, two
-tokens whose probabilities swap places in its order) may resolve the other way
-(docs/speed.md measures how often).
+a sampled draw is a function of the seed and the token's position alone (no generator state)
+— the plain path's noise; so t_j is the plain path's token. The walk stops at the first
+t_j != d_j (that token is the correction, the plain path's token too) or after the bonus token
+t_K; no row after the stop is used. Hence greedy and seeded outputs are the same with and
+without speculation, and the next step continues identically, as far as the rows agree: two
+candidates closer than that rounding (a greedy near-tie; for a seeded draw, two tokens whose
+Gumbel-perturbed scores are that close) may resolve the other way (docs/speed.md measures how
+often).
 
 Why this is speculative rejection sampling (the output distribution is unchanged). For a
 deterministic draft (n-gram lookup: q(d_j) = 1), Leviathan et al.'s rule accepts d_j with
 probability min(1, p(d_j) / q(d_j)) = p(d_j) and on rejection samples from
-norm(max(0, p - q)) = p with d_j removed, renormalised. Here t_j ~ p (inverse-CDF draw of a
-uniform u), so P(accept) = P(t_j = d_j) = p(d_j), and given rejection (t_j != d_j) t_j has
-probability p(y) / (1 - p(d_j)) for y != d_j: exactly that distribution. Each position uses
-its own fresh uniform, as the plain path does. (``tests/server/test_spec_verify.py`` checks
+norm(max(0, p - q)) = p with d_j removed, renormalised. Here t_j ~ p (a Gumbel-max draw),
+so P(accept) = P(t_j = d_j) = p(d_j), and given rejection (t_j != d_j) t_j has probability
+p(y) / (1 - p(d_j)) for y != d_j: exactly that distribution. Each position uses its own
+noise, as the plain path does. (``tests/server/test_spec_verify.py`` checks
 both identities and the statistics.)
 """
 from __future__ import annotations
