@@ -78,7 +78,7 @@ def check(req: GenerateRequest, token_bytes: TokenBytes, eos_ids: frozenset[int]
 
 
 def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
-    """Bring a resumed ``seq`` (its detokenizer, stop matcher and generator made fresh) to
+    """Bring a resumed ``seq`` (its detokenizer and stop matcher made fresh) to
     where the earlier call left it. Returns True when the delivered tokens had ended the
     stream already: ``output`` (the OutputProcessor) has then finished it and it needs no
     prefill."""

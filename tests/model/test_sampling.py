@@ -63,8 +63,9 @@ def test_presence_and_frequency_penalties_openai_rule():
 def _rule(x: np.ndarray, seed: int, k: int) -> int:
     """The seed rule as model/sampling.py's docstring states it, written out."""
     key = np.array([seed % 2**64, (seed >> 64) % 2**64], np.uint64)
-    u = np.random.Generator(np.random.Philox(key=key, counter=np.array([0, k, 0, 0], np.uint64))
-                            ).random(x.shape[-1])
+    words = np.random.Philox(key=key, counter=np.array([0, k, 0, 0], np.uint64)).random_raw(
+        x.shape[-1])
+    u = np.array([int(w) >> 11 for w in words], np.float64) / 2.0**53
     with np.errstate(divide="ignore"):
         return int(np.argmax(np.where(np.isfinite(x), x - np.log(-np.log(u)), -np.inf)))
 

@@ -103,7 +103,8 @@ def test_a_resumed_stream_continues_the_uninterrupted_one(make_engine, sampling)
     req = _req([3, 1, 4], sampling, max_new_tokens=24, ignore_eos=True)
     full, fin = _assert_resumes(engine, req, [1, 2, 11, 23])
     assert fin.reason is FinishReason.LENGTH and len(full) == 24
-    if sampling is SEEDED:  # the draws matter: a resume that did not advance them differs
+    if sampling is SEEDED:  # the positions matter: a resume whose draws restarted at
+        # position 0 (a fresh request of prompt + delivered tokens) differs
         fresh, _ = _run(engine, _req([3, 1, 4, *(e[1] for e in full[:11])], sampling,
                                      max_new_tokens=13, ignore_eos=True))
         assert [e[1] for e in fresh] != [e[1] for e in full[11:]]
