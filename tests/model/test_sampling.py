@@ -121,3 +121,28 @@ def test_log_softmax_and_top_n():
     ids, vals = top_n(lp, 3)
     assert ids.tolist() == [5, 0, 1]
     assert np.allclose(vals, lp[[5, 0, 1]])
+
+
+@pytest.mark.parametrize("first", [1024, 16])  # (16: the widening steps and the full order)
+def test_top_p_prefix_is_the_whole_orders(first, monkeypatch):
+    """top-p keeps the same ids as ordering the whole vocabulary, ties (equal probabilities
+    on the boundary) and near-flat distributions included."""
+    import kvserve.model.sampling as S
+
+    monkeypatch.setattr(S, "_TOP_P_FIRST", first)
+
+    def whole(probs, top_p):
+        order = S.sorted_order(probs)
+        cum = np.cumsum(probs[order])
+        return order[:int(np.searchsorted(cum, np.float32(top_p), side="left")) + 1]
+
+    rng = np.random.default_rng(0)
+    for V in (7, 300, 4096):
+        for trial in range(24):
+            x = [rng.standard_normal(V) * rng.uniform(0.05, 4),
+                 np.round(rng.standard_normal(V) * 3),  # many ties
+                 np.where(rng.random(V) < 0.01, 5.0, 0.0),  # flat with peaks
+                 rng.standard_normal(V) * 0.01][trial % 4]  # near flat
+            probs = softmax(x.astype(np.float32))
+            for top_p in (0.05, 0.5, 0.95, 0.9999999):
+                np.testing.assert_array_equal(S.top_p_prefix(probs, top_p), whole(probs, top_p))
