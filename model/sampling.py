@@ -124,17 +124,17 @@ def top_p_prefix(probs: np.ndarray, top_p: float) -> np.ndarray:
     V = probs.shape[-1]
     target = np.float32(top_p)
     m = _TOP_P_FIRST
-    while m < V:
-        at_least = np.partition(probs, V - m)[V - m]  # the m-th largest probability
-        ids = np.flatnonzero(probs >= at_least)
-        order = ids[np.lexsort((ids, -probs[ids]))]  # by descending p, then ascending id
+    while True:
+        if m < V:
+            at_least = np.partition(probs, V - m)[V - m]  # the m-th largest probability
+            ids = np.flatnonzero(probs >= at_least)
+            order = ids[np.lexsort((ids, -probs[ids]))]  # by descending p, then ascending id
+        else:
+            order = sorted_order(probs)
         cum = np.cumsum(probs[order])
-        if cum[-1] >= target:
+        if m >= V or cum[-1] >= target:
             return order[:int(np.searchsorted(cum, target, side="left")) + 1]
         m *= 8
-    order = sorted_order(probs)
-    cum = np.cumsum(probs[order])
-    return order[:int(np.searchsorted(cum, target, side="left")) + 1]
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
