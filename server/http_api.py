@@ -17,7 +17,7 @@ import ssl
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -366,15 +366,18 @@ class OpenAIApi:
         await resp.prepare(request)
         request[_STREAMING] = True
         try:
-            return await self._stream_events(resp, parsed, rid, chat, q, n, scored)
+            return await self._stream_events(resp, parsed, rid, chat, q, n, scored,
+                                             lambda outcome: self._count(request, outcome))
         except ConnectionResetError:  # the client went away (``_generate`` frees its slots)
             log.info("%s: the client closed the stream", rid)
             self._count(request, "cancelled")
             return resp
 
     async def _stream_events(self, resp: web.StreamResponse, parsed: Parsed, rid: str,
-                             chat: bool, q: asyncio.Queue, n: int, scored: list
-                             ) -> web.StreamResponse:
+                             chat: bool, q: asyncio.Queue, n: int, scored: list,
+                             count: Callable[[str], None]) -> web.StreamResponse:
+        """The SSE stream; ``count(outcome)``: an error in it, counted as the middleware counts
+        one raised before the status line."""
         out = SseChoices(resp, parsed, rid, self.model, chat, n, self.lp)
         await out.start(scored)
         finishes: dict[int, FinishEvent] = {} if parsed.generate else \
@@ -390,6 +393,7 @@ class OpenAIApi:
                 continue
             err = self._finish_error(ev, rid, started)
             if err is not None:  # the status is sent already: the error goes in the stream
+                count(err.code or err.type)
                 await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
                 return resp
             finishes[i] = ev

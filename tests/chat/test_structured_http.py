@@ -118,14 +118,24 @@ def test_bad_constraints_are_400_naming_the_field(tools_oai, extra, param, fragm
     assert param in err["message"] and fragment in err["message"], err
 
 
-def test_a_dead_end_schema_is_a_400_not_a_reply(tools_oai):
+def test_a_dead_end_schema_is_a_400_not_a_reply(tools_oai, tools_app):
     """A schema whose required property leads only back to itself: 400 (constraint_stuck),
-    not '{"a":' finished with "stop"."""
+    not '{"a":' finished with "stop"; streamed, the stream's last event is that error; both
+    counted under that outcome."""
     schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}},
               "required": ["a"], "$defs": {"n": {"$ref": "#/$defs/n"}}}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    counted = lambda: tools_app.metrics.requests.get(  # noqa: E731
+        rpc="http /v1/chat/completions", outcome="constraint_stuck")
+    before = counted()
     with pytest.raises(openai.BadRequestError) as e:
         tools_oai.chat.completions.create(model="artifact", messages=MSGS, max_tokens=16,
                                           response_format=rf)
     err = e.value.body
     assert err["code"] == "constraint_stuck" and "allows no next token" in err["message"], err
+    with pytest.raises(openai.APIError, match="allows no next token"):
+        for _ in tools_oai.chat.completions.create(model="artifact", messages=MSGS,
+                                                   max_tokens=16, response_format=rf,
+                                                   stream=True):
+            pass
+    assert counted() == before + 2
