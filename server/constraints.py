@@ -229,17 +229,15 @@ class Constraint:
     def __init__(self, guide: GuideTokenizer, spec: ConstraintSpec):
         self.guide, self.spec = guide, spec
         self.matcher = llg.LLMatcher(guide.ll, spec.grammar, log_level=0)
-        if self.matcher.is_error():
-            raise InvalidArgument(f"{spec.field}: {_first_line(self.matcher.get_error())}",
-                                  field=spec.field)
+        if self.error is not None:
+            raise InvalidArgument(f"{spec.field}: {self.error}", field=spec.field)
         self._mask = lln.allocate_token_bitmask(1, guide.vocab_size)
         # a grammar that admits no first token fails only when its first mask is computed
         # (a JSON schema that is nothing but a $ref to itself: the reply was "", finished by
         # the end token its error state allows)
         self.fill(self._mask)
-        if self.matcher.is_error():
-            log.debug("%s: no first token (%s)", spec.field,
-                      _first_line(self.matcher.get_error()))
+        if self.error is not None:
+            log.debug("%s: no first token (%s)", spec.field, self.error)
             raise InvalidArgument(f"{spec.field}: no output satisfies this {spec.kind} "
                                   f"constraint: it allows no first token"
                                   f"{_NO_WAY_OUT.get(spec.kind, '')}", field=spec.field)
@@ -276,12 +274,12 @@ class Constraint:
         return list(self.matcher.compute_ff_tokens())
 
     @property
-    def failed(self) -> bool:
-        """The matcher cannot go on: it found no token to allow after what is written (a
-        grammar with no way out from here: a schema property whose ``$ref`` leads only back
-        to itself), or passed its limits; its mask then allows only an end token. Its own
-        reason (llguidance's terms): ``matcher.get_error()``."""
-        return self.matcher.is_error()
+    def error(self) -> str | None:
+        """Why the matcher cannot go on (llguidance's reason, one bounded line), else None: it
+        found no token to allow after what is written (a grammar with no way out from here: a
+        schema property whose ``$ref`` leads only back to itself), or passed its limits; its
+        mask then allows only an end token."""
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     @property
     def done(self) -> bool:

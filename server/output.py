@@ -92,11 +92,10 @@ class OutputProcessor:
         k = len(seq.generated)
         complete = False
         if req.constraint is not None:
-            if req.constraint.failed:  # (the end token its mask allowed would finish the
-                # request as if its output were complete)
+            if (why := req.constraint.error) is not None:  # (the end token its mask allowed
+                # would finish the request as if its output were complete)
                 log.info("request %s: its constraint has no way on after %d tokens (%s)",
-                         seq.handle.request_id, len(seq.generated),
-                         req.constraint.matcher.get_error().splitlines()[0][:200])
+                         seq.handle.request_id, len(seq.generated), why)
                 self.finish(seq, FinishReason.CONSTRAINT, error=CONSTRAINT_DEAD_END)
                 return StopCheck("", FinishReason.CONSTRAINT)
             try:

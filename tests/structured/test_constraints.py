@@ -135,9 +135,9 @@ def test_a_schema_with_no_first_token_is_refused(bpe_guide, schema):
 def test_a_dead_end_is_an_error_not_a_completion(bpe, bpe_guide):
     c = bpe_guide.constraint(ConstraintSpec.json_schema(DEAD_END))
     c.consume_tokens(c.forced())  # '{"a":' (forced: the only way on)
-    assert not c.failed
+    assert c.error is None
     allowed = np.flatnonzero(c.allowed()).tolist()
-    assert allowed == [bpe.eos_id] and c.failed
+    assert allowed == [bpe.eos_id] and c.error is not None
 
 
 def test_apply_masks_in_place_and_matches_llguidance(bpe, bpe_guide):
