@@ -58,17 +58,15 @@ def block_size(precision: str, int4_block: int | None = None,
     return int8_block if precision == "int8" else None
 
 
-def quantization(precision: str, block: int | None, graph: Path | None = None) -> dict | None:
+def quantization(precision: str, block: int | None, graph: Path) -> dict | None:
     """The manifest's ``quantization`` entry for MatMulNBits graphs (int4, int8 in blocks):
-    their blocks and the bits a weight they store: the bits + one float32 scale per block, or,
-    given the converted ``graph``, what its MatMulNBits initializers hold per weight (a column
-    shorter than a block, or not a multiple of it, is padded to whole blocks)."""
+    their blocks and the bits a weight the converted ``graph``'s MatMulNBits initializers
+    hold (the bits + one float32 scale per block, more where a column shorter than a block, or
+    not a multiple of it, is padded to whole blocks)."""
     if block is None or precision not in BITS:
         return None
-    bits = BITS[precision]
-    per_weight = bits + 32 / block if graph is None else stored_bits_per_weight(graph)
-    return {"op": "MatMulNBits", "bits": bits, "symmetric": True, "block_size": block,
-            "bits_per_weight": round(per_weight, 4)}
+    return {"op": "MatMulNBits", "bits": BITS[precision], "symmetric": True,
+            "block_size": block, "bits_per_weight": round(stored_bits_per_weight(graph), 4)}
 
 
 def stored_bits_per_weight(graph: Path) -> float:

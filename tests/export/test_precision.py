@@ -266,4 +266,3 @@ def test_bits_a_weight_count_the_padding_of_short_columns(tmp_path, K, bits, wan
     onnx.save(q.model.model, str(tmp_path / "m.onnx"))
     got = quantization(f"int{bits}", 64, tmp_path / "m.onnx")
     assert got["bits_per_weight"] == pytest.approx(want, abs=1e-4)
-    assert quantization(f"int{bits}", 64)["bits_per_weight"] == bits + 0.5  # the nominal
