@@ -481,7 +481,8 @@ class FusedLM(ArtifactRunner):
 
         ``kv.used[b]`` advances by ``len(rows[b])``; keep the accepted rows with
         ``kv.truncate(b, rows_before + accepted + 1)``. The padded positions' K/V rows land
-        beyond each slot's ``used`` (never read; overwritten by the next call)."""
+        beyond each slot's ``used`` (never read; overwritten by the next call); they must be
+        inside the model's context too (a slot's rows + S, for every slot)."""
         lens = [len(r) for r in rows]
         if len(rows) != n or not all(lens):
             raise ValueError("verify needs one non-empty row per slot")
@@ -490,9 +491,11 @@ class FusedLM(ArtifactRunner):
         used = longs.unpack_from(kv.used)  # each slot's rows before the call
         after = [u + m for u, m in zip(used, lens)]
         top = max(after)
-        if top > self.cfg.max_seq_len:
-            raise ValueError(f"a verification row would pass the model's context of "
-                             f"{self.cfg.max_seq_len} tokens (cap the draft)")
+        if max(used) + S > self.cfg.max_seq_len:  # (padding included: its positions are
+            # looked up in the graph's position tables)
+            raise ValueError(f"a verification row, padded to the longest, would pass the "
+                             f"model's context of {self.cfg.max_seq_len} tokens (cap the "
+                             f"drafts)")
         kv.ensure_capacity(max(used) + S)
         key = (n, S, kv.generation)
         bound = self._verify_bound.get(key)

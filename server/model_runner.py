@@ -292,9 +292,23 @@ class ModelRunner:
         ngram = self.spec.drafts(active) if self.spec is not None else None
         drafts = self.ff.drafts(active, ngram) if self.ff is not None else ngram
         if drafts is not None:
+            drafts = self._within_context(drafts)
+        if drafts is not None:
             self._verify_step(drafts, ngram is not None, time.monotonic() - t0)
         else:
             self._decode_step()
+
+    def _within_context(self, drafts: list[list[int]]) -> list[list[int]] | None:
+        """``drafts`` cut so that the verification's every row, padded to the longest, stays
+        inside the model's context (None: no draft left, a plain step). Each drafter caps its
+        own row; the padding of a row near the context's end would look up positions past the
+        graph's tables (learned or sinusoidal: onnxruntime fails the call)."""
+        n = len(drafts)
+        room = self.lm.cfg.max_seq_len - int(max(self.sched.kv.used[:n])) - 1
+        if max(map(len, drafts)) <= room:
+            return drafts
+        cut = [d[:room] for d in drafts] if room > 0 else []
+        return cut if any(cut) else None
 
     def _decode_step(self) -> None:
         active, kv = self.sched.active, self.sched.kv

@@ -68,21 +68,24 @@ def test_truncate_bounds(lm):
         lm.verify(kv, 2, [[1], []])
 
 
-def test_rows_past_the_context_are_refused_and_padding_near_it_is_harmless(lm):
-    """A row may end exactly at the model's context; one past it is refused (the engine caps
-    drafts). A short row at the context's end padded to a longer row's length (its padding
-    positions past the context) still gives the plain path's logits."""
+def test_rows_and_their_padding_past_the_context_are_refused(lm):
+    """A row may end exactly at the model's context; one past it is refused, and so is a short
+    row near the context's end padded past it to a longer row's length (its padding positions
+    would be looked up in the graph's position tables: learned and sinusoidal ones fail the
+    call; the engine cuts the drafts to what the context leaves). Within it, the rows give the
+    plain path's logits."""
     if lm.kind != "fused":
         return
     M, V = lm.cfg.max_seq_len, lm.cfg.vocab_size
     g = np.random.default_rng(9)
-    p0, p1 = g.integers(0, V, M - 1).tolist(), g.integers(0, V, 10).tolist()
+    p0, p1 = g.integers(0, V, M - 3).tolist(), g.integers(0, V, 10).tolist()
     kv = lm.new_cache(2)
     lm.prefill(kv, 0, [p0, p1], last=True)
-    with pytest.raises(ValueError, match=f"context of {M} tokens"):
-        lm.verify(kv, 2, [[3, 4], [5]])
-    assert list(kv.used[:2]) == [M - 1, 10]
-    rows = [[3], [4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    for rows in ([[3, 4, 5, 6], [5]], [[3], [4, 5, 6, 7]]):
+        with pytest.raises(ValueError, match=f"context of {M} tokens"):
+            lm.verify(kv, 2, rows)
+        assert list(kv.used[:2]) == [M - 3, 10]
+    rows = [[3], [4, 5, 6]]  # slot 0 padded to 3 rows: its last padding position is M - 1
     logits = lm.verify(kv, 2, rows).copy()
     for b, p in enumerate((p0, p1)):
         want = plain_logits(lm, p, rows[b])

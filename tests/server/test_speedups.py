@@ -461,3 +461,38 @@ def test_an_idle_engine_makes_the_pools_next_blocks_resident(lm, monkeypatch):
         assert not taken & prefix._warm
     finally:
         fast.stop()
+
+
+def test_a_row_at_the_context_end_beside_a_long_draft(lm, monkeypatch):
+    """A request running to the model's context (prompt + new tokens = max_seq_len) shares
+    verification calls with a row drafting 8 tokens at every step: the call pads the near-full
+    row to the longest, so the drafts are cut to what the context leaves (else the padding's
+    positions pass the graph's tables: learned and sinusoidal ones fail the call and the whole
+    batch with it; found by a review on a GPT-2-style model). Outputs are the plain path's."""
+    M = lm.cfg.max_seq_len
+    g = np.random.default_rng(3)
+    reqs = [GenerateRequest(g.integers(5, 300, M - 12).tolist(), SamplingParams(),
+                            StopParams(max_new_tokens=12, ignore_eos=True), OutputParams()),
+            GenerateRequest(list(PROMPTS[0]), SamplingParams(),
+                            StopParams(max_new_tokens=40, ignore_eos=True), OutputParams())]
+    plain = _engine(lm, 0, 0)
+    try:
+        want = _tokens(_run(plain, reqs))
+    finally:
+        plain.stop()
+    forced = _engine(lm, 0, 8)
+    spec, calls = forced.runner.spec, []
+    verify = lm.verify
+
+    def spy(kv, n, rows):
+        calls.append(max(kv.used[:n]) + max(map(len, rows)))
+        return verify(kv, n, rows)
+    # every row that may draft offers 8 tokens at every step (wrong ones mostly: rejected)
+    spec.drafts = lambda active: [[7] * 8 if s.drafting is not None else [] for s in active]
+    monkeypatch.setattr(lm, "verify", spy)
+    try:
+        got = _tokens(_run(forced, reqs))
+    finally:
+        forced.stop()
+    assert got == want
+    assert calls and max(calls) == M  # verification ran up to the context's end, not past
