@@ -143,7 +143,8 @@ class App:
                              stream_interval_max=self.cfg.stream_interval_max_ms / 1000,
                              prefix_cache_bytes=self.cfg.prefix_cache_mb << 20,
                              speculative_tokens=self.cfg.speculative_tokens,
-                             fast_forward=self.cfg.constraint_fast_forward)
+                             fast_forward=self.cfg.constraint_fast_forward,
+                             inexact_speedups=self.cfg.inexact_speedups)
         if self.engine.prefix is not None:
             self.metrics.prefix_bytes.set(self.engine.prefix.nbytes)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()

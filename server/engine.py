@@ -50,6 +50,7 @@ from .interfaces import EngineMetrics, NullMetrics, Runner, StagedSink
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
+from .rounding import shape_sensitive
 from .scheduler import Scheduler
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
@@ -76,7 +77,8 @@ class Engine:
                  metrics: EngineMetrics | None = None, eos_ids: Seq[int] = (),
                  stream_interval: float = 0.0, prefill_chunk_tokens: int = 0,
                  stream_interval_max: float | None = None, prefix_cache_bytes: int = 0,
-                 speculative_tokens: int = 0, fast_forward: bool = True):
+                 speculative_tokens: int = 0, fast_forward: bool = True,
+                 inexact_speedups: bool = False):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -97,13 +99,19 @@ class Engine:
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
         self.costs = StepCosts()  # the steps' measured seconds: both drafters read them
+        # where a row's logits depend on the call's shape beyond 1e-4 (quantized, fp16): only
+        # what stays exact, unless asked (server.rounding)
+        self.inexact = "" if inexact_speedups else shape_sensitive(lm)
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \
-            if fast_forward and getattr(lm, "supports_verify", False) else None
+            if fast_forward and getattr(lm, "supports_verify", False) and not self.inexact \
+            else None
+        if fast_forward and self.inexact:
+            log.info("constraint fast-forward off: %s", self.inexact)
         self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
                                   self.longrope, self.prefix, self.spec, self.fast_forward,
-                                  self.costs)
+                                  self.costs, prompt_rows_only=bool(self.inexact))
         self.sched.on_leave = self._left
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()
@@ -139,16 +147,23 @@ class Engine:
         if prefix_bytes:
             why = prefix_cache_unsupported_reason(self.cfg) or \
                 ("" if self.lm.kind in ("fused", "portable")
-                 else f"the {self.lm.kind} runner keeps no prefix pool")
+                 else f"the {self.lm.kind} runner keeps no prefix pool") or \
+                (f"the portable runner prefills a cached prompt's rest through its decode "
+                 f"graph; {self.inexact}" if self.inexact and self.lm.kind == "portable"
+                 else "")
             pool = None if why else make_prefix_pool(self.lm, prefix_bytes, BLOCK_TOKENS)
             if pool is None:
                 log.info("prefix cache off: %s", why or "the cap holds no block")
             else:
                 prefix = PrefixCache(pool)
-                log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", pool.n_blocks,
-                         pool.block_tokens, pool.nbytes / (1 << 20))
+                log.info("prefix cache: %d blocks of %d tokens, %.1f MiB%s", pool.n_blocks,
+                         pool.block_tokens, pool.nbytes / (1 << 20),
+                         "; the rows of prompts only (%s)" % self.inexact if self.inexact
+                         else "")
         if spec_tokens:
-            if getattr(self.lm, "supports_verify", False):
+            if self.inexact:
+                log.info("speculative decoding off: %s", self.inexact)
+            elif getattr(self.lm, "supports_verify", False):
                 spec = Speculator(spec_tokens, self.cfg.max_seq_len, self.costs)
             else:
                 log.info("speculative decoding off: this runner cannot verify drafts")
