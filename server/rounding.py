@@ -28,7 +28,7 @@ def shape_sensitive(lm) -> str:
     precision = (getattr(lm, "manifest", None) or {}).get("precision", "fp32")
     if precision in EXACT_PRECISIONS:
         return ""
-    return (f"a {precision} artifact: a row computed in a call of several tokens differs from "
+    return (f"an {precision} artifact: a row computed in a call of several tokens differs from "
             f"a one-token step's by up to ~1e-2 of the logits (onnxruntime's kernels by shape, "
             f"magnified by {'half precision' if precision == 'fp16' else 'quantization'}); "
             f"--inexact-speedups allows it")
