@@ -367,7 +367,8 @@ class Engine:
             seq.staged = bool(self.stream_interval) and isinstance(seq.handle.events, StagedSink)
             seq.quiet = quiet_rule(req.sampling, req.stopping, req.output, self.eos_ids,
                                    seq.staged, constrained)
-            if req.resume and resume.restore(seq, self.eos_ids, self.output):
+            if req.resume and resume.restore(seq, self.eos_ids, self.output,
+                                             step=bool(self.inexact)):
                 continue  # the delivered tokens had ended it: its Complete was all that was left
             (attn if seq.wants_attention else plain).append(seq)
             if self.spec is not None:

@@ -94,6 +94,17 @@ class ModelRunner:
         for seq in attn:
             self._prefill([seq], attention=True)
 
+    def _first(self, seq: Sequence, logits: np.ndarray, rows) -> None:
+        """A sequence's prompt is in: its first token is chosen from ``logits``, or the
+        delivered tokens of a resumed one are fed first, one decode step each
+        (``Sequence.replay``; the steps choose nothing until the last is fed)."""
+        if seq.replay:
+            seq.forced.extend(seq.replay)
+            seq.replay = []
+            seq.feed = seq.forced.popleft()
+        else:
+            self.choose(seq, logits, rows)
+
     def _split_cached(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(batched, one by one): a sequence goes one by one when part of its prompt is cached
         (in the pool, or in the rows a free slot kept) or when an earlier one of this admission
@@ -145,10 +156,12 @@ class ModelRunner:
             if n < len(ids):
                 if attention:  # the rest goes through decode steps, which carry attention
                     seq.forced.extend(ids[n:])
+                    seq.forced.extend(seq.replay)
+                    seq.replay = []
                     seq.feed = seq.forced.popleft()
                     continue
                 last = self._extend(lo + b, ids, n)
-                self.choose(seq, last, None)
+                self._first(seq, last, None)
                 prompts.append((lo + b, seq))
                 continue
             rows = None
@@ -156,7 +169,7 @@ class ModelRunner:
                 rows = [(layer, h, res.attention[b][layer, h, n - 1])
                         for layer in seq.req.output.attention_layers
                         for h in seq.req.output.attention_heads]
-            self.choose(seq, res.logits[b][-1], rows)
+            self._first(seq, res.logits[b][-1], rows)
             if not attention:
                 prompts.append((lo + b, seq))
         self._cache_prompts(prompts)
@@ -187,7 +200,7 @@ class ModelRunner:
         self.metrics.prefix_hit(n)
         active.append(seq)
         last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
-        self.choose(seq, last, None)
+        self._first(seq, last, None)
         self._cache_prompts([(slot, seq)])
 
     def _cache_prompts(self, prompts: list[tuple[int, Sequence]]) -> None:

@@ -8,7 +8,10 @@ where it would have; they become the sequence's ``generated`` tokens (penalties,
 ``min_new_tokens``, ``max_new_tokens`` and token indices count them: a sampled step's draw
 depends on its seed and position only, ``model.sampling``); and the engine's usual prefill path feeds
 prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered tokens, no
-other work.
+other work. On int8, int4 and fp16 artifacts a prefill makes a token's rows differently from
+the one-token steps that made them in the earlier call (``server.rounding``): there the
+delivered tokens are fed one step each after the prompt's prefill (``Sequence.replay``), a
+step per delivered token before the first new one.
 
 Nothing about the draws is carried: position n's draw is the same whatever came before it,
 so the next token is drawn as the uninterrupted call would have drawn it. A sampled request
@@ -77,11 +80,13 @@ def check(req: GenerateRequest, token_bytes: TokenBytes, eos_ids: frozenset[int]
                               field="resume.token_ids")
 
 
-def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
+def restore(seq: Sequence, eos_ids: frozenset[int], output, step: bool = False) -> bool:
     """Bring a resumed ``seq`` (its detokenizer and stop matcher made fresh) to
     where the earlier call left it. Returns True when the delivered tokens had ended the
     stream already: ``output`` (the OutputProcessor) has then finished it and it needs no
-    prefill."""
+    prefill. ``step``: the delivered tokens are fed one decode step each after the prompt
+    (``Sequence.replay``), as the earlier call made their rows, instead of prefilled with it
+    (artifacts whose rows depend on the call's shape: ``server.rounding``)."""
     req = seq.req
     # (its matcher is brought to where the delivered tokens left it, ``check`` having
     # replayed them on a copy: a refusal here would be a server bug, failing this request)
@@ -93,7 +98,10 @@ def restore(seq: Sequence, eos_ids: frozenset[int], output) -> bool:
         return True
     seq.generated.extend(req.resume[:done])
     seq.first_index = done
-    seq.prefill_ids = [*req.prompt_ids, *seq.generated]
+    if step:
+        seq.replay = list(seq.generated)
+    else:
+        seq.prefill_ids = [*req.prompt_ids, *seq.generated]
     if stop is None:
         return False
     output.finish(seq, stop.finish, stop_sequence=stop.stop_sequence,

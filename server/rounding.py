@@ -13,9 +13,10 @@ with the prefix cache on and off in 2-10 turns of 40 (int8 / int4).
 
 So on those artifacts the engine runs, by default, only what stays within 1e-4: the prefix
 cache with the rows prompts' prefills made (no generated rows; no last call of a single token
-after others, whose one-row kernels differ for int4), and no speculative verification or
-constraint fast-forward. ``--inexact-speedups`` (``ServerConfig.inexact_speedups``) turns them
-on anyway.
+after others, whose one-row kernels differ for int4), no speculative verification or
+constraint fast-forward, and a resumed stream's delivered tokens fed one step each
+(``server.resume``). ``--inexact-speedups`` (``ServerConfig.inexact_speedups``) turns them on
+anyway.
 """
 from __future__ import annotations
 

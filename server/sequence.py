@@ -68,6 +68,10 @@ class Sequence:
     # index of the first token this call generates (server.resume)
     prefill_ids: list[int] = field(default_factory=list)
     first_index: int = 0
+    # a resumed request's delivered tokens, fed after its prompt one decode step each, as the
+    # earlier call fed them, where a prefill would make their rows differently
+    # (server.rounding); empty: they are prefilled with the prompt (``prefill_ids``)
+    replay: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prefill_ids:

@@ -134,6 +134,42 @@ def test_a_prompt_one_token_past_its_cached_rows(qlm):
     assert worst <= LOGIT_TOL, worst
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(),
+                                      SamplingParams(temperature=0.8, top_p=0.9, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_a_resumed_stream_continues_with_the_same_logits(qlm, sampling):
+    """A stream resumed after k of its tokens (beside another request) feeds the delivered
+    tokens one step each, as the uninterrupted call made their rows: the tail and the logits
+    of its first new token are the uninterrupted ones (prefilled with the prompt, their rows
+    moved those logits by ~1e-2 here)."""
+    import dataclasses
+
+    V, g = qlm.cfg.vocab_size, np.random.default_rng(2)
+    e = Engine(qlm, TokenBytes.without_text(V), max_batch=2, max_queue=4,
+               score_chunk_floats=512 * V, eos_id=None, prefix_cache_bytes=8 << 20)
+    e.start()
+    worst = 0.0
+    try:
+        for k in (1, 9, 20, 23):
+            req = GenerateRequest(g.integers(3, V, 20).tolist(), sampling,
+                                  StopParams(max_new_tokens=24, ignore_eos=True),
+                                  OutputParams(return_logits=True))
+            other = GenerateRequest(g.integers(3, V, 30).tolist(), SamplingParams(),
+                                    StopParams(max_new_tokens=20, ignore_eos=True),
+                                    OutputParams())
+            full = [x for x in e.submit(req) if isinstance(x, TokenEvent)]
+            resumed = dataclasses.replace(req, resume=tuple(x.token_id for x in full[:k]))
+            h, _ = e.submit_many([resumed, other])
+            tail = [x for x in h if isinstance(x, TokenEvent)]
+            assert [x.token_id for x in tail] == [x.token_id for x in full[k:]], k
+            assert [x.index for x in tail] == list(range(k, 24))
+            a, b = np.asarray(tail[0].logits), np.asarray(full[k].logits)
+            worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())))
+    finally:
+        e.stop()
+    assert worst <= LOGIT_TOL, worst
+
+
 def test_rows_of_decode_steps_are_not_a_prefills(qlm):
     """Why: P prefilled, G fed one token a step, then 5 more in one call, against one prefill
     of all of it: the last logits differ by more than 1e-3 of the largest (fp32: ~1e-6)."""
