@@ -150,13 +150,12 @@ class ServerConfig:
                                                "schema's fixed keys, ...) as that row's draft, "
                                                "verified in one call instead of one step each "
                                                "(exact; independent of speculative_tokens)")
-    inexact_speedups: bool = _opt(False, "on int8, int4 and fp16 artifacts, where a call of "
-                                         "several tokens rounds a row ~1e-2 of the logits "
-                                         "away from a one-token step's: speculation, "
-                                         "constraint fast-forward, cached rows of generated "
-                                         "tokens and a resume's delivered tokens prefilled "
-                                         "anyway (default: off there, exact; fp32 artifacts "
-                                         "have them either way)")
+    inexact_speedups: bool = _opt(False, "on int8, int4 and fp16 artifacts, where calls of "
+                                         "other shapes round a row up to ~1e-2 of the logits "
+                                         "apart: the prefix cache, speculation and constraint "
+                                         "fast-forward anyway, and a resume's delivered "
+                                         "tokens prefilled (default: off there, exact; fp32 "
+                                         "artifacts have them either way)")
     max_temperature: float = _opt(100.0, "upper bound of temperature",
                                   limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
     max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",

@@ -99,19 +99,23 @@ class Engine:
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
         self.costs = StepCosts()  # the steps' measured seconds: both drafters read them
-        # where a row's logits depend on the call's shape beyond 1e-4 (quantized, fp16): only
-        # what stays exact, unless asked (server.rounding)
+        # where a row's logits depend on the call's shape beyond 1e-4 (quantized, fp16): no
+        # feature that changes the calls, unless asked (server.rounding)
         self.inexact = "" if inexact_speedups else shape_sensitive(lm)
+        if self.inexact and (prefix_cache_bytes or speculative_tokens or fast_forward):
+            log.info("%s: the prefix cache, speculative decoding and constraint fast-forward "
+                     "are off (--inexact-speedups turns them on)", self.inexact)
+        elif inexact_speedups and shape_sensitive(lm):
+            log.info("--inexact-speedups: %s; outputs may differ from those without the "
+                     "speed features", shape_sensitive(lm))
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \
             if fast_forward and getattr(lm, "supports_verify", False) and not self.inexact \
             else None
-        if fast_forward and self.inexact:
-            log.info("constraint fast-forward off: %s", self.inexact)
         self.runner = ModelRunner(lm, self.sched, self.output, lambda: self._metrics,
                                   self.longrope, self.prefix, self.spec, self.fast_forward,
-                                  self.costs, prompt_rows_only=bool(self.inexact))
+                                  self.costs)
         self.sched.on_leave = self._left
         self._jobs: list[ScoreJob] = []
         self._cond = threading.Condition()
@@ -144,26 +148,21 @@ class Engine:
         """The prefix cache and the speculator, where this runner and model allow them (each
         off is logged with the reason)."""
         prefix = spec = None
+        if self.inexact:  # (logged above)
+            return prefix, spec
         if prefix_bytes:
             why = prefix_cache_unsupported_reason(self.cfg) or \
                 ("" if self.lm.kind in ("fused", "portable")
-                 else f"the {self.lm.kind} runner keeps no prefix pool") or \
-                (f"the portable runner prefills a cached prompt's rest through its decode "
-                 f"graph; {self.inexact}" if self.inexact and self.lm.kind == "portable"
-                 else "")
+                 else f"the {self.lm.kind} runner keeps no prefix pool")
             pool = None if why else make_prefix_pool(self.lm, prefix_bytes, BLOCK_TOKENS)
             if pool is None:
                 log.info("prefix cache off: %s", why or "the cap holds no block")
             else:
                 prefix = PrefixCache(pool)
-                log.info("prefix cache: %d blocks of %d tokens, %.1f MiB%s", pool.n_blocks,
-                         pool.block_tokens, pool.nbytes / (1 << 20),
-                         "; the rows of prompts only (%s)" % self.inexact if self.inexact
-                         else "")
+                log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", pool.n_blocks,
+                         pool.block_tokens, pool.nbytes / (1 << 20))
         if spec_tokens:
-            if self.inexact:
-                log.info("speculative decoding off: %s", self.inexact)
-            elif getattr(self.lm, "supports_verify", False):
+            if getattr(self.lm, "supports_verify", False):
                 spec = Speculator(spec_tokens, self.cfg.max_seq_len, self.costs)
             else:
                 log.info("speculative decoding off: this runner cannot verify drafts")

@@ -39,29 +39,15 @@ from .step_costs import StepCosts
 _ARGMAX_ALL = 1 << 17  # logits floats (batch x positions x vocabulary) reduced in one argmax
 
 
-def chunk_end(a: int, end: int, step: int) -> int:
-    """The end of a prefill chunk from ``a``: at most ``step`` tokens, up to ``end``, never
-    leaving a single token for the last call (a one-token call runs other kernels, whose
-    rounding quantized graphs magnify: ``server.rounding``); so a prompt is computed alike
-    whether its first part came from the prefix cache or not."""
-    b = min(a + step, end)
-    return b - 1 if end - b == 1 and b - a > 1 else b
-
-
 class ModelRunner:
     def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
                  metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None,
-                 fast_forward: FastForward | None = None, costs: StepCosts | None = None,
-                 prompt_rows_only: bool = False):
+                 fast_forward: FastForward | None = None, costs: StepCosts | None = None):
         self.lm, self.sched, self.output = lm, sched, output
         self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
         self.slot_rows = SlotRows() if prefix is not None else None  # (with the cache only)
-        # the prefix cache and the slots keep the rows prompts' prefills made, not those of
-        # generated tokens (decode steps), and a cached prompt's rest is never one token:
-        # where a row's logits depend on the call's shape (server.rounding)
-        self.prompt_rows_only = prompt_rows_only
         # free slots whose kept rows are still to be copied into the prefix cache: slot ->
         # (the KV cache, the tokens of its rows) (``cache_tokens``)
         self._unsaved: dict[int, tuple[object, list[int]]] = {}
@@ -142,7 +128,7 @@ class ModelRunner:
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
         # diagnostics return (H, T, T) attention rows per layer: those keep the smaller chunk
         chunk = self.sched.chunk_tokens if attention else self.sched.prefill_tokens()
-        lens = [chunk_end(0, len(s.prefill_ids), chunk) for s in group]
+        lens = [min(len(s.prefill_ids), chunk) for s in group]
         active, kv = self.sched.active, self.sched.kv
         lo = len(active)  # the group takes the next free slots, in order
         if self.slot_rows is not None:
@@ -193,9 +179,6 @@ class ModelRunner:
                     self.prefix.restore(kv, slot, blocks)
         finally:
             self.prefix.release(blocks)
-        if self.prompt_rows_only and n and n == len(seq.prefill_ids) - 1:
-            n -= 1  # (a last token alone would go through the one-row kernels)
-            kv.truncate(slot, n)
         seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)
         self.metrics.prefix_hit(n)
         active.append(seq)
@@ -224,7 +207,8 @@ class ModelRunner:
         if self.prefix is None:
             return
         kv = self.sched.kv
-        rows = [(slot, self._rows_of(seq), kept) for slot, seq, kept in leaving]
+        rows = [(slot, None if seq.forced else seq.tokens(), kept)  # (a prompt tail not
+                for slot, seq, kept in leaving]  # fed: its rows are unknown)
         now = [(slot, tokens) for slot, tokens, kept in rows if tokens is not None and not kept]
         if now:
             self.prefix.insert_many(kv, now)
@@ -232,15 +216,6 @@ class ModelRunner:
             self.slot_rows.left(kv, slot, tokens)
             if tokens is not None and kept:
                 self._unsaved[slot] = (kv, tokens)
-
-    def _rows_of(self, seq: Sequence) -> list[int] | None:
-        """The tokens whose rows a leaving sequence's slot holds for the cache (None: none)."""
-        if seq.forced:  # (a prompt tail not fed: its rows are unknown)
-            return None
-        if not self.prompt_rows_only:
-            return seq.tokens()
-        # the rows its prefill made (a diagnostics prompt's tail went through decode steps)
-        return None if seq.wants_attention else list(seq.prefill_ids)
 
     @property
     def unsaved(self) -> bool:
@@ -315,12 +290,10 @@ class ModelRunner:
             last = self.longrope.extend(self.lm, kv, slot, ids, start, self.sched.chunk_tokens)
             if last is not None:
                 return last
-        step, a = self.sched.prefill_tokens(), start
-        while a < len(ids):
-            b = chunk_end(a, len(ids), step)
-            last = self.lm.extend(kv, slot, np.asarray(ids[a:b], np.int64),
-                                  last=True)[-1]  # (1, V) -> (V,)
-            a = b
+        step = self.sched.prefill_tokens()
+        for a in range(start, len(ids), step):
+            chunk = np.asarray(ids[a:a + step], np.int64)
+            last = self.lm.extend(kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
 
     # --- decoding ------------------------------------------------------------------------------

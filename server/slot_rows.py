@@ -14,8 +14,7 @@ into the slot once more. On the 6M bench model, a turn of 48 new user tokens aft
 ones: the restore ~1.1 ms and 16 tokens more to prefill, of a ~10 ms time to first token.
 
 Exact: the rows are the ones the prefix cache stores for those tokens (it copies them from this
-slot), made by the same graph for the same prefix at the same positions (on int8, int4 and fp16
-artifacts the rows of prompts only: ``server.rounding``). On with the prefix
+slot), made by the same graph for the same prefix at the same positions. On with the prefix
 cache only (``--prefix-cache-mb 0`` turns both off), for the same models.
 
 Not thread-safe: the engine's thread owns it.
