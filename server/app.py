@@ -133,18 +133,12 @@ class App:
         self.eos_ids = self._eos_ids(eos, template)
         self.guides = Guides(self.tokenizer.to_str() if self.tokenizer is not None else None,
                              mcfg.vocab_size, sorted(self.eos_ids))
-        self.engine = Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
-                             max_queue=self.cfg.max_queue,
-                             score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
-                             prefill_chunk_tokens=self.cfg.prefill_chunk_tokens,
-                             request_time_limit=self.cfg.request_time_limit,
-                             metrics=self.metrics, eos_ids=tuple(self.eos_ids),
-                             stream_interval=self.cfg.stream_interval_ms / 1000,
-                             stream_interval_max=self.cfg.stream_interval_max_ms / 1000,
-                             prefix_cache_bytes=self.cfg.prefix_cache_mb << 20,
-                             speculative_tokens=self.cfg.speculative_tokens,
-                             fast_forward=self.cfg.constraint_fast_forward,
-                             inexact_speedups=self.cfg.inexact_speedups)
+        self._check_pool_memory()
+        try:
+            self.engine = self._engine(eos)
+        except MemoryError:  # (onnxruntime's std::bad_alloc allocating the prefix pool)
+            raise ArtifactError(f"no memory for a prefix cache of {self.cfg.prefix_cache_mb} "
+                                f"MiB: lower --prefix-cache-mb (0 turns it off)") from None
         if self.engine.prefix is not None:
             self.metrics.prefix_bytes.set(self.engine.prefix.nbytes)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
@@ -159,6 +153,36 @@ class App:
             log.warning("%s is an fp16 artifact, made for the CUDA provider; on the CPU provider "
                         "onnxruntime computes it through casts and it runs slower than fp32: "
                         "export with --precision fp32 (or int8) for CPU", self.dir)
+
+    def _engine(self, eos: int | None) -> Engine:
+        return Engine(self.lm, self.token_bytes, max_batch=self.cfg.max_batch,
+                      max_queue=self.cfg.max_queue,
+                      score_chunk_floats=self.cfg.score_chunk_floats, eos_id=eos,
+                      prefill_chunk_tokens=self.cfg.prefill_chunk_tokens,
+                      request_time_limit=self.cfg.request_time_limit,
+                      metrics=self.metrics, eos_ids=tuple(self.eos_ids),
+                      stream_interval=self.cfg.stream_interval_ms / 1000,
+                      stream_interval_max=self.cfg.stream_interval_max_ms / 1000,
+                      prefix_cache_bytes=self.cfg.prefix_cache_mb << 20,
+                      speculative_tokens=self.cfg.speculative_tokens,
+                      fast_forward=self.cfg.constraint_fast_forward,
+                      inexact_speedups=self.cfg.inexact_speedups)
+
+    def _check_pool_memory(self) -> None:
+        """A prefix cache larger than this machine's memory is refused at start (on the CPU
+        provider its pages are committed as it fills: it would be killed then, not now)."""
+        if not self.cfg.prefix_cache_mb or self.lm.provider != "CPUExecutionProvider":
+            return
+        try:
+            with open("/proc/meminfo") as f:
+                total = next(int(line.split()[1]) for line in f
+                             if line.startswith("MemTotal:")) >> 10  # MiB
+        except (OSError, StopIteration, ValueError):
+            return
+        if self.cfg.prefix_cache_mb >= total:
+            raise ArtifactError(f"a prefix cache of {self.cfg.prefix_cache_mb} MiB does not "
+                                f"fit this machine's {total} MiB of memory: lower "
+                                f"--prefix-cache-mb (0 turns it off)")
 
     def _eos_ids(self, eos: int | None, template: ChatTemplate | None) -> list[int]:
         """Every id that ends generation: the config's eos ids (``stop_ids``: eos_token_id and

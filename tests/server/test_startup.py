@@ -113,3 +113,15 @@ def test_check_ports_only_checks(artifact):
                             "--check-ports", "--port", str(port)],
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.startswith(f"kvserve serve: port {port} on ")
+
+
+def test_a_prefix_cache_larger_than_the_machine_is_one_line(artifact):
+    """Within the flag's bounds but beyond this machine's memory: refused at start in one line
+    (it was onnxruntime's std::bad_alloc as a traceback; a value the machine's overcommit
+    let through would have been killed later, as the pool filled)."""
+    r = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", str(artifact.dir),
+                        "--port", "0", "--prefix-cache-mb", "1048576"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "prefix cache of 1048576 MiB" in r.stderr and "--prefix-cache-mb" in r.stderr
