@@ -89,6 +89,9 @@ class GenerateRequest:
     resume: tuple[int, ...] = ()
     # a constraints.Constraint: the sequence's own grammar matcher (None: unconstrained)
     constraint: Any = None
+    # tokens the output is expected to repeat (OpenAI's ``prediction``): n-gram drafts are
+    # looked up in them too (server.speculation); not model input, no effect on the output
+    lookup_ids: tuple[int, ...] = ()
 
 
 @dataclass

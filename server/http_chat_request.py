@@ -50,6 +50,36 @@ def _template_flags(body: dict) -> tuple[bool, bool]:
     return agp, cont
 
 
+def _prediction(body: dict, prompts: Prompts) -> tuple[int, ...]:
+    """OpenAI's ``prediction`` (``{"type": "content", "content": text or text parts}``): its
+    tokens, in which the n-gram drafts of speculative decoding are looked up too (the output
+    is the same with or without it; it only saves steps where the reply repeats it)."""
+    p = body.get("prediction")
+    if p is None:
+        return ()
+    shape = ("'prediction' must be {\"type\": \"content\", \"content\": a string or text "
+             "parts}")
+    if not isinstance(p, dict) or p.get("type") != "content" or set(p) - {"type", "content"}:
+        raise bad(shape, "prediction")
+    content = p.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(x, dict) and x.get("type") == "text" and set(x) <= {"type", "text"}
+                   and isinstance(x.get("text"), str) for x in content):
+            raise bad(shape, "prediction")
+        content = "".join(x["text"] for x in content)
+    if not isinstance(content, str):
+        raise bad(shape, "prediction")
+    prompts.need_tokenizer("'prediction'")
+    try:
+        ids = prompts.text(content, "prediction.content", add_special_tokens=False)
+    except InvalidArgument as e:
+        raise bad(str(e), "prediction") from None
+    if len(ids) > prompts.lim.max_context:
+        raise bad(f"'prediction' has {len(ids)} tokens; the limit is the context's "
+                  f"{prompts.lim.max_context}", "prediction")
+    return tuple(ids)
+
+
 def parse_chat(body: dict, prompts: Prompts, model: str, rid: str,
                added_tokens: dict[str, int] | None = None) -> Parsed:
     """``added_tokens``: the tokenizer's added tokens (``tool_calls.added_token_ids``), for
@@ -84,7 +114,8 @@ def parse_chat(body: dict, prompts: Prompts, model: str, rid: str,
     except InvalidArgument as e:
         raise bad(str(e), error_param(str(e), body, _TEMPLATE_FIELDS, "messages")) from None
     max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"), None, lim)
-    reqs = _requests([ids], opts, max_tokens, logprobs, top, rid, lim)
+    reqs = _requests([ids], opts, max_tokens, logprobs, top, rid, lim,
+                     _prediction(body, prompts))
     if p_lp is not None:
         check_prompt_scores([ids], lim)
     return Parsed(model, opts["stream"], opts["include_usage"], opts["n"], reqs, logprobs, top,

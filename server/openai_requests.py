@@ -21,13 +21,15 @@ from .structured_requests import constraint_from_request
 
 # the sampling fields come from the one request mapping (request_map.SAMPLING_FIELDS)
 _COMMON = {"model", "max_tokens", "n", "stream", "stream_options", "stop", "user",
-           "logit_bias", "ignore_eos"} | RM.FIELD_NAMES
+           "logit_bias", "ignore_eos", "prompt_cache_key",
+           "prompt_cache_retention"} | RM.FIELD_NAMES
 _COMMON |= set(STRUCTURED_FIELDS) | {"prompt_logprobs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
                          "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                         "add_generation_prompt", "continue_final_message"}
+                         "add_generation_prompt", "continue_final_message", "prediction"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_MAX_HINT_CHARS = 1024  # user, prompt_cache_key, prompt_cache_retention (OpenAI's: 64 for user)
 
 
 class ApiError(Exception):
@@ -196,12 +198,19 @@ def _common(body: dict, allowed: set[str], model: str, lim: V.Limits) -> dict:
     for name in ("logit_bias",):
         if body.get(name) not in (None, {}):
             raise bad(f"'{name}' is not supported by this server", name)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise bad("'user' must be a string", "user")
+    # OpenAI's prompt-caching hints: accepted, no effect (every request's prefix is looked up
+    # in the prefix cache, whatever its key; blocks stay while the pool holds them)
+    for name in ("user", "prompt_cache_key", "prompt_cache_retention"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad(f"'{name}' must be a string", name)
+        if len(body.get(name) or "") > _MAX_HINT_CHARS:
+            raise bad(f"'{name}' has over {_MAX_HINT_CHARS} characters", name)
     so = body.get("stream_options")
-    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
-        raise bad("'stream_options' must be an object with at most 'include_usage'",
-                  "stream_options")
+    if so is not None and (not isinstance(so, dict)
+                           or set(so) - {"include_usage", "include_obfuscation"}):
+        raise bad("'stream_options' must be an object with at most 'include_usage' and "
+                  "'include_obfuscation'", "stream_options")
+    _bool(so or {}, "include_obfuscation", False)  # (no obfuscation padding is sent)
     stream = _bool(body, "stream", False)
     if so is not None and not stream:
         raise bad("'stream_options' is only allowed with 'stream': true", "stream_options")
@@ -227,7 +236,8 @@ def _sampling_values(body: dict) -> dict:
 
 
 def _requests(prompts: list[list[int]], opts: dict, max_tokens: int | None, logprobs: bool,
-              top_logprobs: int, rid: str, lim: V.Limits) -> list[GenerateRequest]:
+              top_logprobs: int, rid: str, lim: V.Limits,
+              lookup: tuple[int, ...] = ()) -> list[GenerateRequest]:
     n = opts["n"]
     if len(prompts) * n > lim.cfg.max_n:
         raise bad(f"{len(prompts)} prompts x n={n} choices is over the limit of "
@@ -249,7 +259,7 @@ def _requests(prompts: list[list[int]], opts: dict, max_tokens: int | None, logp
             output = OutputParams(logprobs=logprobs, top_logprobs=top_logprobs)
             out.append(GenerateRequest(ids, sampling, stopping, output,
                                        request_id=rid if len(prompts) * n == 1
-                                       else f"{rid}-{p * n + j}"))
+                                       else f"{rid}-{p * n + j}", lookup_ids=lookup))
     return out
 
 

@@ -52,6 +52,9 @@ _WORTH = 1.0  # speculation goes on while it yields at least this x the plain to
 class Drafting:
     """A sequence's speculation state: its n-gram index and draft length."""
     k: AdaptiveK
+    # what the index holds before the generated tokens: the prompt, after the request's
+    # lookup ids (OpenAI's ``prediction``) where it has some
+    source: list[int] | None = None
     index: NgramIndex | None = None  # built from its first lookup on (after its first
     # token), ``_INDEX_CHUNK`` prompt tokens a step
     n: int = 0  # the matched n-gram length of its latest draft
@@ -127,7 +130,9 @@ class Speculator:
     def admit(self, seq: Sequence) -> None:
         # a constrained row drafts the tokens its grammar forces instead (server.fast_forward)
         if self.eligible(seq) and seq.req.constraint is None:
-            seq.drafting = Drafting(AdaptiveK(self.k_max))
+            look = seq.req.lookup_ids
+            seq.drafting = Drafting(AdaptiveK(self.k_max), source=[
+                *look, *seq.req.prompt_ids] if look else seq.req.prompt_ids)
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -173,7 +178,7 @@ class Speculator:
         if d.index is None:  # (not at admission: a 1,000-token prompt's index takes ~1-2 ms,
             # which would come before the first token; a request of one token needs none)
             d.index = NgramIndex()
-        prompt = seq.req.prompt_ids
+        prompt = d.source if d.source is not None else seq.req.prompt_ids
         if len(d.index) < len(prompt):  # a long prompt is indexed over several steps, so
             # that no step of the batch stalls for it; it drafts once the index is whole
             d.index.extend(prompt[len(d.index):len(d.index) + _INDEX_CHUNK])

@@ -259,3 +259,32 @@ def test_grpc_chat_template_kwargs_nested_too_deeply_is_invalid_argument(chat_st
         collect(chat_stub.Generate(req, metadata=AUTH, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "chat.chat_template_kwargs nests too deeply" in e.value.details()
+
+
+def test_prediction_and_prompt_cache_hints(oai, base_url):
+    """OpenAI's ``prediction`` (a source of n-gram drafts: the reply, a seeded sampled one
+    here, is the same with it; tests/server/test_speedups.py counts the drafts it gives) and
+    its prompt-caching hints and ``include_obfuscation`` (accepted, no effect); bad shapes are
+    400 naming the field."""
+    openai = pytest.importorskip("openai")
+    kw = dict(model="artifact", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=5)
+    plain = oai.chat.completions.create(**kw).choices[0].message.content
+    assert plain
+    got = oai.chat.completions.create(**kw, prediction={"type": "content", "content": plain},
+                                      prompt_cache_key="k1", prompt_cache_retention="24h")
+    assert got.choices[0].message.content == plain
+    parts = oai.chat.completions.create(**kw, prediction={
+        "type": "content", "content": [{"type": "text", "text": plain[:5]},
+                                       {"type": "text", "text": plain[5:]}]})
+    assert parts.choices[0].message.content == plain
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options={
+        "include_usage": True, "include_obfuscation": False}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    for bad_value in ({"type": "text", "content": "x"}, {"type": "content", "content": 3},
+                      {"type": "content", "content": [{"type": "image_url"}]}, "x"):
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(**kw, prediction=bad_value)
+        assert e.value.body["param"] == "prediction"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**kw, prompt_cache_key=7)
+    assert e.value.body["param"] == "prompt_cache_key"

@@ -496,3 +496,30 @@ def test_a_row_at_the_context_end_beside_a_long_draft(lm, monkeypatch):
         forced.stop()
     assert got == want
     assert calls and max(calls) == M  # verification ran up to the context's end, not past
+
+
+def test_lookup_ids_are_drafted_from_and_leave_the_output_alone(lm):
+    """A request's ``lookup_ids`` (OpenAI's ``prediction``) are a source of n-gram drafts: a
+    prediction equal to the reply (a seeded sampled one, which does not repeat itself) is
+    drafted from (most of the reply accepted from it), a wrong one is rejected; the tokens are
+    those without it."""
+    g = np.random.default_rng(4)
+    prompt = g.integers(5, 300, 24).tolist()
+
+    def run(lookup):
+        e = _engine(lm, 0, 8)
+        try:
+            h, = e.submit_many([GenerateRequest(list(prompt),
+                                                SamplingParams(temperature=1.0, seed=7),
+                                                StopParams(max_new_tokens=40, ignore_eos=True),
+                                                OutputParams(), lookup_ids=tuple(lookup))])
+            toks = [ev.token_id for ev in h if isinstance(ev, TokenEvent)]
+            return toks, e.spec.accepted
+        finally:
+            e.stop()
+    plain, alone = run(())
+    right, accepted = run(plain)
+    wrong, _ = run(g.integers(5, 300, 40).tolist())
+    assert right == plain and wrong == plain
+    print(f"accepted: {alone} without, {accepted} with the reply as lookup ids")
+    assert accepted >= len(plain) // 2 > alone, (accepted, alone)
