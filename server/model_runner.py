@@ -326,7 +326,11 @@ class ModelRunner:
     def _decode_step(self) -> None:
         active, kv = self.sched.active, self.sched.kv
         n = len(active)
-        attention = any(s.wants_attention and not s.forced for s in active)
+        # the diagnostics graph for a row that wants attention from its last prompt token on
+        # (a resumed one's replayed tokens too: the earlier call fed them through it)
+        attention = any(s.wants_attention for s in active) and any(
+            s.wants_attention and (not s.forced or used >= len(s.req.prompt_ids) - 1)
+            for s, used in zip(active, kv.used[:n].tolist()))
         tokens = [s.feed for s in active]  # (n,) (runners take any sequence of ints)
         if self.longrope is not None:  # a LongRoPE row crossing: recomputed first (staged
             # events handed over before that refill, which may take a while)

@@ -19,8 +19,8 @@ LOGIT_TOL = 1e-4
 QUANT = {"int8": {}, "int4": {"int4_block": 32}}
 
 
-@pytest.fixture(scope="module", params=sorted(QUANT))
-def qlm(request, tmp_path_factory):
+def _export(root, precision: str, attention: bool = False, **blocks):
+    """The d256 model (the review's: seed 1235; its int4 export shows the split) exported."""
     torch = pytest.importorskip("torch")
     from export_matrix import BASE, CONFIGS, TEXTS
 
@@ -31,15 +31,20 @@ def qlm(request, tmp_path_factory):
     from kvserve.model.tokenizer import train_bpe
     from kvserve.model.transformer import Transformer
 
-    root = tmp_path_factory.mktemp(f"quant_{request.param}")
-    torch.manual_seed(1235)  # (the review's model: its int4 export shows the split)
+    torch.manual_seed(1235)
     cfg = ModelConfig(**{**BASE, **CONFIGS["llama"], "d_model": 256, "n_heads": 8,
                          "n_kv_heads": 4, "d_ff": 512})
     ckpt = save_checkpoint(root / "ckpt", Transformer(cfg).eval(),
                            tokenizer_json=train_bpe(TEXTS, vocab_size=BASE["vocab_size"]).to_str())
-    art = export_artifacts(ckpt, root / "a", precision=request.param, attention=False,
-                           progress=False, threads=1, **QUANT[request.param])
-    return load_lm(art, provider="cpu", threads=1, attention=False)
+    art = export_artifacts(ckpt, root / "a", precision=precision, attention=attention,
+                           progress=False, threads=1, **blocks)
+    return load_lm(art, provider="cpu", threads=1, attention=attention)
+
+
+@pytest.fixture(scope="module", params=sorted(QUANT))
+def qlm(request, tmp_path_factory):
+    return _export(tmp_path_factory.mktemp(f"quant_{request.param}"), request.param,
+                   **QUANT[request.param])
 
 
 def _engine(lm, prefix_mb: int, **kw) -> Engine:
@@ -98,6 +103,36 @@ def test_a_resumed_stream_continues_with_the_same_logits(qlm, sampling):
     finally:
         e.stop()
     assert worst <= LOGIT_TOL, worst
+
+
+def test_a_resumed_stream_with_attention_rows_continues_alike(tmp_path):
+    """A resumed stream that asks for attention (its prompt longer than the diagnostics
+    graph's chunk: the rest fed a step at a time) replays its delivered tokens through the
+    diagnostics graph, as the earlier call fed them: tokens, logits and attention rows of the
+    continuation are the uninterrupted ones (through the plain graph, one of 6 moved 6e-2)."""
+    import dataclasses
+
+    lm = _export(tmp_path, "int8", attention=True)
+    V, g = lm.cfg.vocab_size, np.random.default_rng(0)
+    e = Engine(lm, TokenBytes.without_text(V), max_batch=2, max_queue=4,
+               score_chunk_floats=64 * V, eos_id=None)
+    e.start()
+    try:
+        for _ in range(6):
+            req = GenerateRequest(g.integers(3, V, 150).tolist(), SamplingParams(),
+                                  StopParams(max_new_tokens=12, ignore_eos=True),
+                                  OutputParams(return_logits=True, attention_layers=(0, 1),
+                                               attention_heads=(0, 3)))
+            full = [x for x in e.submit(req) if isinstance(x, TokenEvent)]
+            tail = [x for x in e.submit(dataclasses.replace(
+                req, resume=tuple(x.token_id for x in full[:5]))) if isinstance(x, TokenEvent)]
+            assert [x.token_id for x in tail] == [x.token_id for x in full[5:]]
+            for a, b in zip(tail, full[5:]):
+                assert np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max() <= 1e-6
+                assert all(np.abs(np.asarray(x[2]) - np.asarray(y[2])).max() <= 1e-6
+                           for x, y in zip(a.attention, b.attention))
+    finally:
+        e.stop()
 
 
 def test_rows_of_decode_steps_are_not_a_prefills(qlm):
