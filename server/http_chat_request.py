@@ -69,15 +69,10 @@ def _prediction(body: dict, prompts: Prompts) -> tuple[int, ...]:
         content = "".join(x["text"] for x in content)
     if not isinstance(content, str):
         raise bad(shape, "prediction")
-    prompts.need_tokenizer("'prediction'")
     try:
-        ids = prompts.text(content, "prediction.content", add_special_tokens=False)
+        return prompts.prediction(content, None, "prediction.content")
     except InvalidArgument as e:
         raise bad(str(e), "prediction") from None
-    if len(ids) > prompts.lim.max_context:
-        raise bad(f"'prediction' has {len(ids)} tokens; the limit is the context's "
-                  f"{prompts.lim.max_context}", "prediction")
-    return tuple(ids)
 
 
 def parse_chat(body: dict, prompts: Prompts, model: str, rid: str,

@@ -44,6 +44,19 @@ class Prompts:
         checked = V.check_texts(texts, limit, self.lim, name)
         return self.tok.encode_batch(checked, add_special_tokens=add_special_tokens)
 
+    def prediction(self, text: str | None, ids: Sequence[int] | None,
+                   name: str = "prediction") -> tuple[int, ...]:
+        """The tokens of what the output is expected to repeat (OpenAI's ``prediction``): a
+        text (tokenized without special tokens) or ids, within the context's length."""
+        if text is not None:
+            self.need_tokenizer(f"{name} as text")
+            out = self.tok.encode(V.check_text(name, text, self.lim), add_special_tokens=False)
+            if len(out) > self.lim.max_context:
+                raise InvalidArgument(f"{name} has {len(out)} tokens; the limit is the "
+                                      f"context's {self.lim.max_context}", field=name)
+            return tuple(out)
+        return tuple(V.check_ids(name, ids or (), self.lim, max_len=self.lim.max_context))
+
     def ids(self, ids: Sequence[int], name: str = "token_ids") -> list[int]:
         return V.check_ids(name, ids, self.lim, max_len=self.lim.max_context)
 

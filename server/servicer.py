@@ -134,9 +134,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         req = GenerateRequest(ids, sampling, stopping, output,
                               request_id=V.check_request_id(r.request_id),
                               deadline=self._deadline(context), resume=tuple(delivered),
-                              constraint=self.guides.constraint(spec))
+                              constraint=self.guides.constraint(spec),
+                              lookup_ids=self._prediction(r.prediction))
         resume.check(req, self.tb, self.engine.eos_ids)
         return req
+
+    def _prediction(self, p: pb.Prediction) -> tuple[int, ...]:
+        which = p.WhichOneof("content")
+        if which is None:
+            return ()
+        return self.prompts.prediction(p.text if which == "text" else None,
+                                       p.token_ids.ids if which == "token_ids" else None,
+                                       f"prediction.{which}")
 
     def _chat_ids(self, chat: pb.ChatPrompt) -> list[int]:
         cont = chat.continue_final_message

@@ -68,7 +68,8 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
     # GenerateRequest.structured: one schema, regex, grammar or list of choices
     structured = max(MAX_SCHEMA_CHARS, MAX_GRAMMAR_CHARS, MAX_CHOICES_CHARS) * UTF8_MAX \
         + MAX_CHOICES * ENTRY
-    generate = (max(cfg.max_prompt_chars * UTF8_MAX, lim.max_context * ID_MAX) + stops
+    text_or_ids = max(cfg.max_prompt_chars * UTF8_MAX, lim.max_context * ID_MAX)
+    generate = (2 * text_or_ids + stops  # (the prompt and a prediction)
                 + structured
                 + (cfg.max_stop_token_ids + lim.n_layers + lim.n_heads + resumed) * ID_MAX)
     score = max(score_chars(cfg) * UTF8_MAX, cfg.max_score_tokens * ID_MAX) \
@@ -85,6 +86,8 @@ def request_limits(cfg, lim) -> dict[str, MethodLimit]:
             "response.attention.layers": (lim.n_layers, "attention layers"),
             "response.attention.heads": (lim.n_heads, "attention heads"),
             "resume.token_ids": (resumed, "resumed tokens"),
+            "prediction.text.chars": (cfg.max_prompt_chars, "characters"),
+            "prediction.token_ids.ids": (lim.max_context, "prediction tokens"),
             "structured.choice.choices": (MAX_CHOICES, "choices")}),
         "Score": MethodLimit(base + score, {
             "texts": (cfg.max_score_sequences, "sequences"),

@@ -285,3 +285,30 @@ def test_coalesced_stream_carries_every_token_once(app, stub, artifact):
     assert [c.logprob for c in got] == pytest.approx([c.logprob for c in want], abs=1e-5)
     assert msgs[-1].HasField("complete") and len(msgs) < len(plain)
     assert any(len(m.more) > 0 for m in msgs)
+
+
+def test_a_prediction_leaves_the_output_alone(stub, app):
+    """GenerateRequest.prediction (text or token ids: OpenAI's predicted outputs, an n-gram
+    draft source) gives the same tokens; a seeded sampled output given as its own prediction
+    is drafted from (accepted drafts counted); bad ones are INVALID_ARGUMENT naming the
+    field."""
+    req = gen_request("def add(a, b):", 24,
+                      sampling=pb.SamplingOptions(temperature=1.0, seed=17))
+    plain = [c.id for c in collect(stub.Generate(req, timeout=60))[0]]
+    before = app.metrics.spec_accepted.get()
+    with_ids = pb.GenerateRequest()
+    with_ids.CopyFrom(req)
+    with_ids.prediction.token_ids.ids.extend(plain)
+    assert [c.id for c in collect(stub.Generate(with_ids, timeout=60))[0]] == plain
+    assert app.metrics.spec_accepted.get() - before >= len(plain) // 2
+    with_text = pb.GenerateRequest()
+    with_text.CopyFrom(req)
+    with_text.prediction.text = "    return a + b\n"
+    assert [c.id for c in collect(stub.Generate(with_text, timeout=60))[0]] == plain
+    bad = pb.GenerateRequest()
+    bad.CopyFrom(req)
+    bad.prediction.token_ids.ids.extend([1, 10 ** 6])
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stub.Generate(bad, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prediction.token_ids" in e.value.details()
