@@ -240,14 +240,17 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
                      coalesce: bool = True, json_schema: dict | str | None = None,
                      json_object: bool = False, regex: str | None = None,
                      choice: Sequence[str] | None = None,
-                     grammar: str | None = None) -> pb.GenerateRequest:
+                     grammar: str | None = None,
+                     prediction: str | Sequence[int] | None = None) -> pb.GenerateRequest:
     """Build a ``GenerateRequest``. ``prompt``: text, token ids, or chat messages (dicts with
     ``role`` and ``content``, rendered by the server with the model's chat template). ``None``
     leaves an optional field unset (the server's default); ``max_new_tokens=0`` is the server
     default. ``coalesce``: tokens ready together may share one message (the client unpacks
     them; an older server ignores it). At most one constraint: ``json_schema`` (a dict or its
     JSON text), ``json_object``, ``regex``, ``choice`` (a list of strings) or ``grammar``
-    (Lark): the output then validates against it."""
+    (Lark): the output then validates against it. ``prediction`` (text or token ids): what the
+    output is expected to repeat (a file being edited): speculative decoding drafts from it,
+    the output is the same with or without it."""
     _unsigned(top_k=top_k, seed=seed, max_new_tokens=max_new_tokens,
               min_new_tokens=min_new_tokens, top_logprobs=top_logprobs)
     _unsigned(**{f"stop_token_ids[{i}]": v for i, v in enumerate(stop_token_ids)},
@@ -274,6 +277,10 @@ def generate_request(prompt: str | Sequence[int] | Sequence[dict], *, temperatur
                                     coalesce=coalesce),
         request_id=request_id)
     _structured(r.structured, json_schema, json_object, regex, choice, grammar)
+    if isinstance(prediction, str):
+        r.prediction.text = prediction
+    elif prediction is not None:
+        r.prediction.token_ids.ids.extend(int(i) for i in prediction)
     if isinstance(prompt, str):
         r.text = prompt
     elif prompt and isinstance(prompt[0], dict):  # chat messages: [{"role", "content"}, ...]

@@ -32,6 +32,13 @@ def test_generate_request_prompt_kinds_and_unset_optionals():
     assert M.as_generate_request("x", {"top_k": 2}).sampling.top_k == 2
 
 
+def test_generate_request_prediction():
+    assert not M.generate_request("hi").HasField("prediction")
+    assert M.generate_request("hi", prediction="def f():").prediction.text == "def f():"
+    r = M.generate_request([1, 2], prediction=[5, 6, 7])
+    assert list(r.prediction.token_ids.ids) == [5, 6, 7]
+
+
 def test_score_tokenize_detokenize_requests():
     assert list(M.score_request(["a", "b"], top_logprobs=1).texts) == ["a", "b"]
     r = M.score_request(token_ids=[[1, 2], [3]], request_id="s")
