@@ -29,6 +29,7 @@ from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine
+from .rounding import shape_sensitive
 from .guides import Guides
 from .interfaces import NullMetrics
 from .metrics import Metrics, MetricsServer
@@ -171,7 +172,8 @@ class App:
     def _check_pool_memory(self) -> None:
         """A prefix cache larger than this machine's memory is refused at start (on the CPU
         provider its pages are committed as it fills: it would be killed then, not now)."""
-        if not self.cfg.prefix_cache_mb or self.lm.provider != "CPUExecutionProvider":
+        if not self.cfg.prefix_cache_mb or self.lm.provider != "CPUExecutionProvider" or (
+                shape_sensitive(self.lm) and not self.cfg.inexact_speedups):  # (no pool)
             return
         try:
             with open("/proc/meminfo") as f:

@@ -108,6 +108,7 @@ class Engine:
         elif inexact_speedups and shape_sensitive(lm):
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
                      "speed features", shape_sensitive(lm))
+        self.sched.fixed_chunks = self.sched.attention_alone = bool(self.inexact)
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \

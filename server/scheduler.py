@@ -37,6 +37,13 @@ class Scheduler:
         # tokens per generation prefill call where only the last row's logits come back (0:
         # the runner returns every row's)
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # chunks sized for the model's whole context, not the cache's capacity now (which the
+        # batch's other requests set): a prompt is then split alike whatever runs beside it
+        # (artifacts whose rows depend on the split: server.rounding)
+        self.fixed_chunks = False
+        # a sequence that asks for attention runs in a batch of its own: the diagnostics graph
+        # a step takes for it would move its neighbours' logits (server.rounding)
+        self.attention_alone = False
         self.active: list[Sequence] = []  # active[i] lives in KV slot i
         # called as on_leave([(slot, seq, kept), ...]) with the sequences finished at once,
         # before their slots are given up (the prefix cache keeps their rows); kept: no
@@ -73,10 +80,20 @@ class Scheduler:
             else:
                 keep.append(seq)
         self.waiting = keep
-        admit = []
+        admit: list[Sequence] = []
         while self.waiting and len(self.active) + len(admit) < self.max_batch:
+            if self.attention_alone and not self._fits_alone(admit):
+                break
             admit.append(self.waiting.popleft())
         return admit
+
+    def _fits_alone(self, admit: list[Sequence]) -> bool:
+        """With ``attention_alone``: the next waiting sequence may join the batch (neither it
+        nor a sequence in the batch asks for attention, or the batch is empty; the queue keeps
+        its order)."""
+        batch = [*self.active, *admit]
+        return not batch or not (self.waiting[0].wants_attention
+                                 or any(s.wants_attention for s in batch))
 
     # --- prefill -------------------------------------------------------------------------------
     def reserve(self, admitted: list[Sequence]) -> None:
@@ -89,7 +106,8 @@ class Scheduler:
         runner computes every row's logits; where it computes the last row's only, up to
         ``prefill_chunk_tokens`` as long as the call's attention scores stay under the same
         cap: onnxruntime's CPU GroupQueryAttention holds chunk x heads x cache-rows floats."""
-        by_scores = self.score_chunk_floats // (self.n_heads * max(1, self.kv.capacity))
+        rows = self.max_seq_len if self.fixed_chunks else max(1, self.kv.capacity)
+        by_scores = self.score_chunk_floats // (self.n_heads * rows)
         return max(self.chunk_tokens, min(self.prefill_chunk_tokens, by_scores))
 
     def prefill_groups(self, plain: list[Sequence]) -> list[list[Sequence]]:
