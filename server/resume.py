@@ -6,8 +6,8 @@ replayed through the sequence's detokenizer and stop matcher without making even
 stop string spanning the boundary is still found and text the matcher held back comes out
 where it would have; they become the sequence's ``generated`` tokens (penalties,
 ``min_new_tokens``, ``max_new_tokens`` and token indices count them: a sampled step's draw
-depends on its seed and position only, ``model.sampling``); and the engine's usual prefill path feeds
-prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered tokens, no
+depends on its seed and position only, ``model.sampling``); and the engine's usual prefill
+path feeds prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered tokens, no
 other work. On int8, int4 and fp16 artifacts a prefill makes a token's rows differently from
 the one-token steps that made them in the earlier call (``server.rounding``): there the
 delivered tokens are fed one step each after the prompt's prefill (``Sequence.replay``), a

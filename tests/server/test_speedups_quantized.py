@@ -48,22 +48,33 @@ def qlm(request, tmp_path_factory):
                    **QUANT[request.param])
 
 
-def _engine(lm, prefix_mb: int, **kw) -> Engine:
+def _engine(lm, prefix_mb: int = 0, max_batch: int = 1, chunk_rows: int = 512,
+            **kw) -> Engine:
+    """A started engine on ``lm`` (``chunk_rows``: score_chunk_floats in vocabulary rows)."""
     V = lm.cfg.vocab_size
-    e = Engine(lm, TokenBytes.without_text(V), max_batch=1, max_queue=4,
-               score_chunk_floats=512 * V, eos_id=None, prefix_cache_bytes=prefix_mb << 20,
-               speculative_tokens=8, **kw)
+    e = Engine(lm, TokenBytes.without_text(V), max_batch=max_batch, max_queue=8,
+               score_chunk_floats=chunk_rows * V, eos_id=None,
+               prefix_cache_bytes=prefix_mb << 20, **kw)
     e.start()
     return e
 
 
+def _request(prompt, n: int, sampling=SamplingParams(), **output) -> GenerateRequest:
+    return GenerateRequest(list(prompt), sampling, StopParams(max_new_tokens=n, ignore_eos=True),
+                           OutputParams(**output))
+
+
+def _tokens(handle) -> list[TokenEvent]:
+    return [x for x in handle if isinstance(x, TokenEvent)]
+
+
 def test_no_feature_that_changes_the_calls_by_default(qlm):
-    e = _engine(qlm, 8, fast_forward=True)
+    e = _engine(qlm, 8, speculative_tokens=8, fast_forward=True)
     try:
         assert e.prefix is None and e.spec is None and e.fast_forward is None
     finally:
         e.stop()
-    e = _engine(qlm, 8, fast_forward=True, inexact_speedups=True)
+    e = _engine(qlm, 8, speculative_tokens=8, fast_forward=True, inexact_speedups=True)
     try:
         assert e.prefix is not None and e.spec is not None and e.fast_forward is not None
     finally:
@@ -81,22 +92,16 @@ def test_a_resumed_stream_continues_with_the_same_logits(qlm, sampling):
     import dataclasses
 
     V, g = qlm.cfg.vocab_size, np.random.default_rng(2)
-    e = Engine(qlm, TokenBytes.without_text(V), max_batch=2, max_queue=4,
-               score_chunk_floats=512 * V, eos_id=None, prefix_cache_bytes=8 << 20)
-    e.start()
+    e = _engine(qlm, 8, max_batch=2)
     worst = 0.0
     try:
         for k in (1, 9, 20, 23):
-            req = GenerateRequest(g.integers(3, V, 20).tolist(), sampling,
-                                  StopParams(max_new_tokens=24, ignore_eos=True),
-                                  OutputParams(return_logits=True))
-            other = GenerateRequest(g.integers(3, V, 30).tolist(), SamplingParams(),
-                                    StopParams(max_new_tokens=20, ignore_eos=True),
-                                    OutputParams())
-            full = [x for x in e.submit(req) if isinstance(x, TokenEvent)]
+            req = _request(g.integers(3, V, 20), 24, sampling, return_logits=True)
+            other = _request(g.integers(3, V, 30), 20)
+            full = _tokens(e.submit(req))
             resumed = dataclasses.replace(req, resume=tuple(x.token_id for x in full[:k]))
             h, _ = e.submit_many([resumed, other])
-            tail = [x for x in h if isinstance(x, TokenEvent)]
+            tail = _tokens(h)
             assert [x.token_id for x in tail] == [x.token_id for x in full[k:]], k
             assert [x.index for x in tail] == list(range(k, 24))
             a, b = np.asarray(tail[0].logits), np.asarray(full[k].logits)
@@ -126,21 +131,15 @@ def test_a_prompt_is_split_alike_whatever_runs_beside_it(one_head_lm):
     moved up to 2e-2 beside one). Logits equal alone and beside a 400-token request."""
     lm = one_head_lm
     V, g = lm.cfg.vocab_size, np.random.default_rng(0)
-    e = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
-               score_chunk_floats=16 * V, eos_id=None, prefill_chunk_tokens=512)
-    e.start()
+    e = _engine(lm, max_batch=4, chunk_rows=16, prefill_chunk_tokens=512)
     try:
         for _ in range(20):
-            req = GenerateRequest(g.integers(3, V, int(g.integers(60, 120))).tolist(),
-                                  SamplingParams(), StopParams(max_new_tokens=8, ignore_eos=True),
-                                  OutputParams(return_logits=True))
-            other = GenerateRequest([5, 6, 7], SamplingParams(),
-                                    StopParams(max_new_tokens=400, ignore_eos=True),
-                                    OutputParams())
+            req = _request(g.integers(3, V, int(g.integers(60, 120))), 8, return_logits=True)
+            other = _request([5, 6, 7], 400)
             e.sched.kv.shrink_to_fit(0)  # (a small cache, as after an idle spell)
-            alone = [x for x in e.submit(req) if isinstance(x, TokenEvent)]
+            alone = _tokens(e.submit(req))
             h_other, h = e.submit_many([other, req])
-            beside = [x for x in h if isinstance(x, TokenEvent)]
+            beside = _tokens(h)
             list(h_other)
             assert all(np.array_equal(a.logits, b.logits) for a, b in zip(alone, beside))
     finally:
@@ -152,23 +151,17 @@ def test_a_request_for_attention_runs_alone(attn_lm):
     neighbours' logits (a review: up to 3.9e-2 on int8): it runs in a batch of its own, and
     a plain request's logits are the same beside it as alone."""
     V, g = attn_lm.cfg.vocab_size, np.random.default_rng(4)
-    e = Engine(attn_lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
-               score_chunk_floats=512 * V, eos_id=None)
-    e.start()
+    e = _engine(attn_lm, max_batch=4)
     try:
         for _ in range(3):
-            plain = GenerateRequest(g.integers(3, V, 30).tolist(), SamplingParams(),
-                                    StopParams(max_new_tokens=8, ignore_eos=True),
-                                    OutputParams(return_logits=True))
-            diag = GenerateRequest(g.integers(3, V, 30).tolist(), SamplingParams(),
-                                   StopParams(max_new_tokens=8, ignore_eos=True),
-                                   OutputParams(attention_layers=(0,), attention_heads=(0,)))
-            alone = [x for x in e.submit(plain) if isinstance(x, TokenEvent)]
+            plain = _request(g.integers(3, V, 30), 8, return_logits=True)
+            diag = _request(g.integers(3, V, 30), 8, attention_layers=(0,), attention_heads=(0,))
+            alone = _tokens(e.submit(plain))
             h_diag, h_plain, h_again = e.submit_many([diag, plain, plain])
             for h in (h_plain, h_again):
-                beside = [x for x in h if isinstance(x, TokenEvent)]
+                beside = _tokens(h)
                 assert all(np.array_equal(a.logits, b.logits) for a, b in zip(alone, beside))
-            assert len([x for x in h_diag if isinstance(x, TokenEvent)]) == 8
+            assert len(_tokens(h_diag)) == 8
     finally:
         e.stop()
 
@@ -182,18 +175,14 @@ def test_a_resumed_stream_with_attention_rows_continues_alike(attn_lm):
 
     lm = attn_lm
     V, g = lm.cfg.vocab_size, np.random.default_rng(0)
-    e = Engine(lm, TokenBytes.without_text(V), max_batch=2, max_queue=4,
-               score_chunk_floats=64 * V, eos_id=None)
-    e.start()
+    e = _engine(lm, max_batch=2, chunk_rows=64)
     try:
         for _ in range(6):
-            req = GenerateRequest(g.integers(3, V, 150).tolist(), SamplingParams(),
-                                  StopParams(max_new_tokens=12, ignore_eos=True),
-                                  OutputParams(return_logits=True, attention_layers=(0, 1),
-                                               attention_heads=(0, 3)))
-            full = [x for x in e.submit(req) if isinstance(x, TokenEvent)]
-            tail = [x for x in e.submit(dataclasses.replace(
-                req, resume=tuple(x.token_id for x in full[:5]))) if isinstance(x, TokenEvent)]
+            req = _request(g.integers(3, V, 150), 12, return_logits=True,
+                           attention_layers=(0, 1), attention_heads=(0, 3))
+            full = _tokens(e.submit(req))
+            tail = _tokens(e.submit(dataclasses.replace(
+                req, resume=tuple(x.token_id for x in full[:5]))))
             assert [x.token_id for x in tail] == [x.token_id for x in full[5:]]
             for a, b in zip(tail, full[5:]):
                 assert np.abs(np.asarray(a.logits) - np.asarray(b.logits)).max() <= 1e-6
