@@ -255,7 +255,8 @@ class Engine:
         log.info("engine started: max_batch=%d max_queue=%d; a model call feeds up to %d "
                  "prompt tokens, %d where every row's logits or attention come back (Score, "
                  "diagnostics: --score-chunk-floats over the vocabulary)", self.max_batch,
-                 self.max_queue, max(self.chunk_tokens, self.sched.prefill_chunk_tokens),
+                 self.max_queue, self.sched.prefill_tokens() if self.sched.fixed_chunks
+                 else max(self.chunk_tokens, self.sched.prefill_chunk_tokens),
                  self.chunk_tokens)
         sched = self.sched
         settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise

@@ -61,7 +61,8 @@ class Scheduler:
         if len(self.waiting) - free >= self.max_queue:
             raise QueueFull(f"the server is at capacity ({self.max_queue} requests queued); "
                             f"retry later")
-        self.waiting.append(seq)
+        self.waiting.append(seq)  # (with ``attention_alone`` a batch may hold fewer than
+        # max_batch for a while: up to max_batch - 1 more than max_queue wait then)
 
     def take_admissions(self) -> list[Sequence]:
         """End queued requests that were cancelled or ran out of time; pop the ones that fit."""
