@@ -282,13 +282,28 @@ class NumpyPrefixPool(_PoolBase):
         return self.k[layer][block].copy(), self.v[layer][block].copy()
 
 
+def _host_memory() -> int | None:
+    """This machine's memory in bytes (/proc/meminfo's MemTotal; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f
+                        if line.startswith("MemTotal:")) << 10
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 def make_prefix_pool(lm, cap_bytes: int, block_tokens: int):
     """The pool for ``lm``'s kind with as many blocks as ``cap_bytes`` holds (None: not even
-    one block fits, i.e. the cache is off)."""
+    one block fits, i.e. the cache is off). A pool in host memory (the CPU provider, the
+    portable runner) of the machine's memory or more raises ``MemoryError`` now: its pages are
+    committed as it fills, and the process would be killed then."""
     itemsize = lm.ops.dtype.itemsize if lm.kind == "fused" else 4
     n = int(cap_bytes) // block_bytes(lm.cfg, block_tokens, itemsize)
     if n < 1:
         return None
+    host = lm.kind != "fused" or lm.device == "cpu"
+    if host and (total := _host_memory()) is not None and cap_bytes >= total:
+        raise MemoryError(f"this machine has {total >> 20} MiB of memory")
     if lm.kind == "fused":
         return FusedPrefixPool(lm, n, block_tokens)
     return NumpyPrefixPool(lm.cfg, n, block_tokens)

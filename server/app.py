@@ -29,7 +29,6 @@ from .config import ServerConfig
 from .detok import TokenBytes
 from .domain import GenerateRequest, OutputParams, StopParams
 from .engine import Engine
-from .rounding import shape_sensitive
 from .guides import Guides
 from .interfaces import NullMetrics
 from .metrics import Metrics, MetricsServer
@@ -134,12 +133,12 @@ class App:
         self.eos_ids = self._eos_ids(eos, template)
         self.guides = Guides(self.tokenizer.to_str() if self.tokenizer is not None else None,
                              mcfg.vocab_size, sorted(self.eos_ids))
-        self._check_pool_memory()
         try:
             self.engine = self._engine(eos)
-        except MemoryError:  # (onnxruntime's std::bad_alloc allocating the prefix pool)
+        except MemoryError as e:  # (the prefix pool: beyond this machine's memory, or
+            # onnxruntime's std::bad_alloc allocating it)
             raise ArtifactError(f"no memory for a prefix cache of {self.cfg.prefix_cache_mb} "
-                                f"MiB: lower --prefix-cache-mb (0 turns it off)") from None
+                                f"MiB ({e}): lower --prefix-cache-mb (0 turns it off)") from None
         if self.engine.prefix is not None:
             self.metrics.prefix_bytes.set(self.engine.prefix.nbytes)
         sha = hashlib.sha256((self.dir / MANIFEST).read_bytes()).hexdigest()
@@ -168,23 +167,6 @@ class App:
                       speculative_tokens=self.cfg.speculative_tokens,
                       fast_forward=self.cfg.constraint_fast_forward,
                       inexact_speedups=self.cfg.inexact_speedups)
-
-    def _check_pool_memory(self) -> None:
-        """A prefix cache larger than this machine's memory is refused at start (on the CPU
-        provider its pages are committed as it fills: it would be killed then, not now)."""
-        if not self.cfg.prefix_cache_mb or self.lm.provider != "CPUExecutionProvider" or (
-                shape_sensitive(self.lm) and not self.cfg.inexact_speedups):  # (no pool)
-            return
-        try:
-            with open("/proc/meminfo") as f:
-                total = next(int(line.split()[1]) for line in f
-                             if line.startswith("MemTotal:")) >> 10  # MiB
-        except (OSError, StopIteration, ValueError):
-            return
-        if self.cfg.prefix_cache_mb >= total:
-            raise ArtifactError(f"a prefix cache of {self.cfg.prefix_cache_mb} MiB does not "
-                                f"fit this machine's {total} MiB of memory: lower "
-                                f"--prefix-cache-mb (0 turns it off)")
 
     def _eos_ids(self, eos: int | None, template: ChatTemplate | None) -> list[int]:
         """Every id that ends generation: the config's eos ids (``stop_ids``: eos_token_id and
