@@ -101,13 +101,14 @@ class Engine:
         self.costs = StepCosts()  # the steps' measured seconds: both drafters read them
         # where a row's logits depend on the call's shape beyond 1e-4 (quantized, fp16): no
         # feature that changes the calls, unless asked (server.rounding)
-        self.inexact = "" if inexact_speedups else shape_sensitive(lm)
+        sensitive = shape_sensitive(lm)
+        self.inexact = "" if inexact_speedups else sensitive
         if self.inexact and (prefix_cache_bytes or speculative_tokens or fast_forward):
             log.info("%s: the prefix cache, speculative decoding and constraint fast-forward "
                      "are off (--inexact-speedups turns them on)", self.inexact)
-        elif inexact_speedups and shape_sensitive(lm):
+        elif inexact_speedups and sensitive:
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
-                     "speed features", shape_sensitive(lm))
+                     "speed features", sensitive)
         self.sched.fixed_chunks = self.sched.attention_alone = bool(self.inexact)
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)

@@ -54,7 +54,7 @@ class Drafting:
     k: AdaptiveK
     # what the index holds before the generated tokens: the prompt, after the request's
     # lookup ids (OpenAI's ``prediction``) where it has some
-    source: list[int] | None = None
+    source: list[int]
     index: NgramIndex | None = None  # built from its first lookup on (after its first
     # token), ``_INDEX_CHUNK`` prompt tokens a step
     n: int = 0  # the matched n-gram length of its latest draft
@@ -178,7 +178,7 @@ class Speculator:
         if d.index is None:  # (not at admission: a 1,000-token prompt's index takes ~1-2 ms,
             # which would come before the first token; a request of one token needs none)
             d.index = NgramIndex()
-        prompt = d.source if d.source is not None else seq.req.prompt_ids
+        prompt = d.source
         if len(d.index) < len(prompt):  # a long prompt is indexed over several steps, so
             # that no step of the batch stalls for it; it drafts once the index is whole
             d.index.extend(prompt[len(d.index):len(d.index) + _INDEX_CHUNK])
