@@ -129,10 +129,18 @@ def build_chat_artifact(root: Path, template: str = CHATML_TEMPLATE,
     return Artifact(Path(out), model, tok, cfg)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: every socket stays bound until all are chosen, since the
+    kernel may hand a just-closed port out again (CI once gave two compose replicas one port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def server_config(**kw):

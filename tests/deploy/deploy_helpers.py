@@ -10,12 +10,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kvserve_testing import free_port, free_ports  # noqa: F401  (re-exported)
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,12 +118,6 @@ def find_nginx() -> str | None:
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(cond, timeout: float, interval: float = 0.05, what: str = "condition"):

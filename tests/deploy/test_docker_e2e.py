@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from deploy_helpers import COMPOSE_FILE, REPO, free_port
+from deploy_helpers import COMPOSE_FILE, REPO, free_ports
 from docker_helpers import (IMAGE_TAG, NGINX_BASE, PYTHON_BASE, UID, build_images,
                             engine_or_skip, health, inspect, proc_status, run, wait_healthy)
 
@@ -35,7 +35,7 @@ class Stack:
         self.docker = docker
         names = ["S1_GRPC", "S1_HTTP", "S1_METRICS", "S2_GRPC", "S2_HTTP", "S2_METRICS",
                  "LB_GRPC", "LB_STATUS", "LB_HTTP"]
-        self.ports = {n: free_port() for n in names}
+        self.ports = dict(zip(names, free_ports(len(names))))
         self.env = {**os.environ, **{f"E2E_{n}": str(p) for n, p in self.ports.items()},
                     "KVSERVE_PYTHON_IMAGE": PYTHON_BASE, "KVSERVE_NGINX_IMAGE": NGINX_BASE,
                     "KVSERVE_IMAGE_TAG": IMAGE_TAG,

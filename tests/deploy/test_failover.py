@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from deploy_helpers import (NGINX_CONF, NGINX_TEMPLATE, REPO, compose_yaml, find_nginx,
-                            free_port, nginx_prefix_and_processes, read_json, render_template,
+                            free_ports, nginx_prefix_and_processes, read_json, render_template,
                             wait_until)
 
 pytest.importorskip("torch")  # the test artifact is exported from a torch model
@@ -69,7 +69,7 @@ def _env(compose: dict, name: str, artifact: Path, port: int, port_file: Path) -
     return {**os.environ, "OMP_NUM_THREADS": "1", **env}
 
 
-def _nginx_conf(compose: dict, prefix: Path, ports: dict[str, int], lb_port: int) -> Path:
+def _nginx_conf(compose: dict, prefix: Path, ports: dict[str, int], lb_ports: list[int]) -> Path:
     """deploy/nginx/nginx.conf and the compose nginx service's template values, with the
     replicas' addresses replaced by the loopback ones (the HTTP listener points nowhere)."""
     env = {k: str(v) for k, v in compose["services"]["nginx"]["environment"].items()}
@@ -78,10 +78,11 @@ def _nginx_conf(compose: dict, prefix: Path, ports: dict[str, int], lb_port: int
         old = f"{name}:{compose['services'][name]['environment']['KVSERVE_PORT']}"
         assert old in servers, (old, servers)
         servers = servers.replace(old, f"127.0.0.1:{port}")
-    env.update(KVSERVE_LB_SERVERS=servers, KVSERVE_LB_LISTEN=f"127.0.0.1:{lb_port}",
-               KVSERVE_LB_STATUS_LISTEN=f"127.0.0.1:{free_port()}",
-               KVSERVE_LB_HTTP_SERVERS=f"server 127.0.0.1:{free_port()};",
-               KVSERVE_LB_HTTP_LISTEN=f"127.0.0.1:{free_port()}")
+    lb, status, http_server, http = lb_ports
+    env.update(KVSERVE_LB_SERVERS=servers, KVSERVE_LB_LISTEN=f"127.0.0.1:{lb}",
+               KVSERVE_LB_STATUS_LISTEN=f"127.0.0.1:{status}",
+               KVSERVE_LB_HTTP_SERVERS=f"server 127.0.0.1:{http_server};",
+               KVSERVE_LB_HTTP_LISTEN=f"127.0.0.1:{http}")
     shutil.copy(NGINX_CONF, prefix / "nginx.conf")
     (prefix / "kvserve.conf").write_text(render_template(NGINX_TEMPLATE.read_text(), env))
     return prefix / "nginx.conf"
@@ -93,8 +94,9 @@ def cluster(artifact, tmp_path):
     compose = compose_yaml()
     with nginx_prefix_and_processes() as (prefix, procs):
         replicas = []
-        for name in NAMES:
-            port, log = free_port(), tmp_path / f"{name}.log"
+        ports = free_ports(len(NAMES) + 4)  # a gRPC port per replica, four for nginx
+        for name, port in zip(NAMES, ports):
+            log = tmp_path / f"{name}.log"
             proc = subprocess.Popen(
                 [sys.executable, str(SLOW_SERVE), STEP_DELAY, "serve", str(artifact.dir)],
                 env=_env(compose, name, artifact.dir, port, tmp_path / f"{name}.json"),
@@ -108,8 +110,9 @@ def cluster(artifact, tmp_path):
                 info = read_json(tmp_path / f"{r.name}.json")
                 return info is not None and info["port"] == r.port
             wait_until(up, 120, what=f"{r.name} to serve")
-        lb_port = free_port()
-        conf = _nginx_conf(compose, prefix, {r.name: r.port for r in replicas}, lb_port)
+        lb_port = ports[len(NAMES)]
+        conf = _nginx_conf(compose, prefix, {r.name: r.port for r in replicas},
+                           ports[len(NAMES):])
         nginx = subprocess.Popen([NGINX, "-p", f"{prefix}/", "-c", str(conf)],
                                  stdout=(prefix / "nginx.out").open("wb"),
                                  stderr=(prefix / "nginx.err").open("wb"))

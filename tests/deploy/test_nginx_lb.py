@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 
 from deploy_helpers import (NGINX_CONF, NGINX_TEMPLATE, REPO, compose_yaml, find_nginx,
-                            free_port, nginx_prefix_and_processes, read_json, render_template,
-                            wait_until)
+                            free_port, free_ports, nginx_prefix_and_processes, read_json,
+                            render_template, wait_until)
 
 torch = pytest.importorskip("torch")  # the test artifact is exported from a torch model
 grpc = pytest.importorskip("grpc")
@@ -146,8 +146,9 @@ def cluster(artifact, tmp_path_factory):
     work = tmp_path_factory.mktemp("deploy_cluster")
     with nginx_prefix_and_processes() as (prefix, procs):
         replicas = []
+        ports = iter(free_ports(3 * len(names) + 3))  # three per server, three for nginx
         for name in names:
-            port, mport, hport = free_port(), free_port(), free_port()
+            port, mport, hport = next(ports), next(ports), next(ports)
             log = work / f"{name}.log"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvserve.cli", "serve", str(artifact)],
@@ -165,7 +166,7 @@ def cluster(artifact, tmp_path_factory):
             wait_until(up, 120, what=f"{r.name} to serve")
             assert read_json(work / f"{r.name}.json")["metrics_port"] == r.metrics_port
 
-        lb_port, status_port, lb_http = free_port(), free_port(), free_port()
+        lb_port, status_port, lb_http = next(ports), next(ports), next(ports)
         conf = _render_nginx(compose, prefix, {r.name: r.port for r in replicas}, lb_port,
                              status_port, {r.name: r.http_port for r in replicas}, lb_http)
         test = subprocess.run([NGINX, "-t", "-p", f"{prefix}/", "-c", str(conf)],
