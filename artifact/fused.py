@@ -336,6 +336,7 @@ class FusedLM(ArtifactRunner):
         self._prefill_bound: dict[tuple, _Bound] = {}  # last-row prefills': (lo, n, generation)
 
     supports_verify = True  # ``verify``: one call of the graph, whatever the draft lengths
+    prefills_after_rows = True  # ``prefill``: each slot's rows so far are its past
 
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]

@@ -12,8 +12,10 @@ prefilled; its prompt's blocks are cached after the prefill, its generated token
 it leaves (where no compaction move writes into its slot, once the engine is idle or at the
 next step while others decode: a chat's next turn, admitted first, takes the slot's rows over
 and caches its own prompt, which begins with them, after its first token). Sequences
-admitted together whose prompts begin with the same block are prefilled one after the
-other, so a shared prefix is computed once. What is prefilled is the sequence's
+admitted together with cached prefixes are prefilled in rounds, each round's rests in one call
+(the fused graph feeds each row after its own restored rows; the portable graphs a slot at a
+time): one that shares uncached blocks with another of its round waits for the next, so a
+shared prefix is computed once (``prefix_cache.prefill_now``). What is prefilled is the sequence's
 ``prefill_ids``: its prompt, and after it the tokens a resumed request had delivered
 (``server.resume``), so a stream resumed on the replica it left finds them cached.
 """
@@ -27,6 +29,7 @@ from .constraint_masks import MaskBatch
 from .fast_forward import FastForward
 from .interfaces import EngineMetrics, Runner
 from .output import OutputProcessor
+from .prefix_cache import prefill_now
 from .sampler import masked, sample_row
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -75,8 +78,15 @@ class ModelRunner:
             later = self._prefill_own(later)
         for group in self.sched.prefill_groups(plain):
             self._prefill(group, attention=False)
-        for seq in later:  # (their blocks may be cached by now)
-            self._prefill_cached(seq)
+        while later:  # (their blocks may be cached by now) in rounds, batched: one that
+            # shares uncached blocks with another of the round waits for that one's rows
+            cached = [self.prefix.cached_tokens(s.prefill_ids) for s in later]
+            now = prefill_now([s.prefill_ids for s in later], cached, self.prefix.block_tokens)
+            todo = {id(s): len(s.prefill_ids) - c for s, c in zip(later, cached)}
+            for group in self.sched.prefill_groups([s for s, go in zip(later, now) if go],
+                                                   lambda s: todo[id(s)]):
+                self._prefill_cached(group)
+            later = [s for s, go in zip(later, now) if not go]
         for seq in attn:
             self._prefill([seq], attention=True)
 
@@ -92,9 +102,9 @@ class ModelRunner:
             self.choose(seq, logits, rows)
 
     def _split_cached(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """(batched, one by one): a sequence goes one by one when part of its prompt is cached
-        (in the pool, or in the rows a free slot kept) or when an earlier one of this admission
-        begins with the same block."""
+        """(prefilled whole, after a cached prefix): a sequence goes after a cached prefix
+        when part of its prompt is cached (in the pool, or in the rows a free slot kept) or
+        when an earlier one of this admission begins with the same block."""
         bt = self.prefix.block_tokens
         kv, free = self.sched.kv, range(len(self.sched.active), self.sched.max_batch)
         seen: set[tuple] = set()
@@ -122,7 +132,7 @@ class ModelRunner:
             best = max(range(len(rest)), key=own.__getitem__)
             if not own[best]:
                 break
-            self._prefill_cached(rest.pop(best), own[best])
+            self._prefill_cached([rest.pop(best)], own[best])
         return rest
 
     def _prefill(self, group: list[Sequence], attention: bool) -> None:
@@ -160,12 +170,42 @@ class ModelRunner:
                 prompts.append((lo + b, seq))
         self._cache_prompts(prompts)
 
-    def _prefill_cached(self, seq: Sequence, own: int | None = None) -> None:
-        """One sequence: its prompt's longest cached prefix (the slot's own rows, or blocks
-        restored from the pool), the rest prefilled. ``own``: the slot's rows it matches, when
-        already known (``_prefill_own``)."""
-        kv, active = self.sched.kv, self.sched.active
-        slot = len(active)
+    def _prefill_cached(self, group: list[Sequence], own: int | None = None) -> None:
+        """Sequences into the next free slots, each after its prompt's longest cached prefix
+        (the slot's own rows, or blocks restored from the pool); the rests are prefilled in
+        one call (rows past different prefixes; a longer rest's tail in chunks after it).
+        ``own``: the one sequence's rows its slot kept, when already known
+        (``_prefill_own``)."""
+        if len(group) > 1 and not getattr(self.lm, "prefills_after_rows", False):
+            for seq in group:  # (the portable graphs' prefill takes new sequences only)
+                self._prefill_cached([seq])
+            return
+        active = self.sched.active
+        lo = len(active)
+        starts = [self._restore(lo + b, seq, own) for b, seq in enumerate(group)]
+        active.extend(group)
+        for seq, last in zip(group, self._rests(lo, group, starts)):
+            self._first(seq, last, None)
+        self._cache_prompts([(lo + b, seq) for b, seq in enumerate(group)])
+
+    def _rests(self, lo: int, group: list[Sequence], starts: list[int]) -> list[np.ndarray]:
+        """Each sequence's prompt after its first ``starts[b]`` rows into slot lo + b: one
+        call for the group, B x T within the prefill chunk, and the tails that do not fit
+        one slot at a time. Returns each one's last logits row (V,)."""
+        if len(group) == 1:  # (any runner: ``extend`` feeds a slot after its rows)
+            return [self._extend(lo, group[0].prefill_ids, starts[0])]
+        step = self.sched.prefill_tokens() // len(group)
+        res = self.lm.prefill(self.sched.kv, lo, [s.prefill_ids[n:n + step] for s, n in
+                                                  zip(group, starts)], last=True)
+        return [res.logits[b][-1] if n + step >= len(s.prefill_ids) else  # (n < len: a
+                self._extend(lo + b, s.prefill_ids, n + step)  # match leaves a token)
+                for b, (s, n) in enumerate(zip(group, starts))]
+
+    def _restore(self, slot: int, seq: Sequence, own: int | None) -> int:
+        """``seq``'s longest cached prefix into the free ``slot``: the rows the slot kept of
+        it (``own`` when known) or, where those are fewer, the pool's blocks. Returns the
+        rows restored."""
+        kv = self.sched.kv
         blocks, n = self.prefix.match(seq.prefill_ids)
         try:
             if own is None:
@@ -181,10 +221,7 @@ class ModelRunner:
             self.prefix.release(blocks)
         seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)
         self.metrics.prefix_hit(n)
-        active.append(seq)
-        last = self._extend(slot, seq.prefill_ids, n)  # (n = 0: the whole prompt)
-        self._first(seq, last, None)
-        self._cache_prompts([(slot, seq)])
+        return n
 
     def _cache_prompts(self, prompts: list[tuple[int, Sequence]]) -> None:
         """The prompts' rows ((slot, sequence) each) into the prefix cache, one device copy

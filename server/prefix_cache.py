@@ -73,6 +73,25 @@ def shared_blocks(a, b, block_tokens: int = BLOCK_TOKENS) -> int:
     return n
 
 
+def prefill_now(prompts: list, cached: list[int], block_tokens: int = BLOCK_TOKENS
+                ) -> list[bool]:
+    """Which of the prompts admitted together (in order) are prefilled in this round, together:
+    one waits for a later round where an earlier one of this round shares more whole blocks
+    with it than the cache covers of it now (``cached``: each one's tokens), so that a shared
+    prefix is computed once: inserted after this round, its rows are the waiting one's then.
+    The first one never waits."""
+    now: list[int] = []
+    out = []
+    for j, p in enumerate(prompts):
+        cap = (len(p) - 1) // block_tokens  # (a match leaves one token to compute)
+        wait = any(min(shared_blocks(prompts[i], p, block_tokens), cap) * block_tokens
+                   > cached[j] for i in now)
+        if not wait:
+            now.append(j)
+        out.append(not wait)
+    return out
+
+
 @dataclass
 class _Block:
     key: bytes
@@ -103,15 +122,14 @@ class PrefixCache:
         """The longest cached prefix of ``tokens`` in whole blocks, leaving at least one token:
         (block ids, tokens covered). The blocks are referenced (never evicted) until
         ``release(blocks)``."""
-        blocks: list[int] = []
-        for key, chunk in self._chain(tokens, (len(tokens) - 1) // self.block_tokens):
-            bid = self._by_key.get(key)
-            if bid is None or self._blocks[bid].tokens != chunk:
-                break
-            blocks.append(bid)
+        blocks = self._matched(tokens)
         for bid in blocks:
             self._acquire(bid)
         return blocks, len(blocks) * self.block_tokens
+
+    def cached_tokens(self, tokens) -> int:
+        """The tokens ``match`` would cover now (no reference taken)."""
+        return len(self._matched(tokens)) * self.block_tokens
 
     def has_prefix(self, tokens) -> bool:
         """Whether ``match`` would find at least one block (the first block's hash only; no
@@ -224,6 +242,15 @@ class PrefixCache:
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
 
     # --- internals ---------------------------------------------------------------------------
+    def _matched(self, tokens) -> list[int]:
+        blocks: list[int] = []
+        for key, chunk in self._chain(tokens, (len(tokens) - 1) // self.block_tokens):
+            bid = self._by_key.get(key)
+            if bid is None or self._blocks[bid].tokens != chunk:
+                break
+            blocks.append(bid)
+        return blocks
+
     def _chain(self, tokens, n_blocks: int):
         """(key, token bytes) of the first ``n_blocks`` blocks of ``tokens``, lazily (a
         lookup stops at the first miss): one conversion of the ids to bytes, then one

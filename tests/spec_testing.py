@@ -146,3 +146,92 @@ def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
         tok_a, tok_b = int(np.argmax(la)), int(np.argmax(lb[2]))
         assert tok_a == tok_b, step
     return worst
+
+
+def check_batched_rests(lm, tol: float, seed: int = 0) -> float:
+    """Three prompts sharing a first block, cached from a fourth, admitted together as the
+    engine admits them (``ModelRunner._prefill_cached``, runners with ``prefills_after_rows``):
+    one slot's restored rows are 32 tokens, another's 16, a third slot empty, and one prefill
+    call feeds each its rest (lengths 5, 23, 11: right-padded) after its own past. Each row's
+    last logits equal those of prefilling its prompt whole within ``tol`` (relative to the
+    largest |logit|), and the three then decode a step together as the plain path does.
+    Returns the worst difference."""
+    from kvserve.artifact.prefix_pool import make_prefix_pool
+    from kvserve.server.prefix_cache import PrefixCache
+
+    assert lm.prefills_after_rows
+    g = np.random.default_rng(seed)
+    V = lm.cfg.vocab_size
+    head = g.integers(0, V, 40).tolist()
+    prompts = [head[:37] + g.integers(0, V, 5).tolist(),  # 2 whole blocks cached: 32 + 10
+               head[:20] + g.integers(0, V, 19).tolist(),  # 1 block: 16 + 23
+               g.integers(0, V, 11).tolist()]  # nothing cached: 0 + 11
+    cache = PrefixCache(make_prefix_pool(lm, 1 << 20, 16))
+    kv = lm.new_cache(1)
+    lm.prefill(kv, 0, [head + [1]], last=True)
+    cache.insert(kv, 0, head + [1])
+    kv2 = lm.new_cache(4)
+    lm.prefill(kv2, 0, [g.integers(0, V, 9).tolist()], last=True)  # slot 0 busy
+    starts = []
+    for b, p in enumerate(prompts):
+        blocks, n = cache.match(p)
+        if n:
+            cache.restore(kv2, 1 + b, blocks)
+        cache.release(blocks)
+        starts.append(n)
+    assert starts == [32, 16, 0]
+    got = lm.prefill(kv2, 1, [p[n:] for p, n in zip(prompts, starts)], last=True).logits
+    got = [x[-1].copy() for x in got]
+    worst = 0.0
+    for p, row in zip(prompts, got):
+        want = lm.prefill(lm.new_cache(1), 0, [p], last=True).logits[0][-1]
+        worst = max(worst, float(np.abs(row - want).max()) / max(1.0, float(np.abs(want).max())))
+        assert int(np.argmax(row)) == int(np.argmax(want))
+    assert worst <= tol, worst
+    toks = [int(np.argmax(x)) for x in got]
+    step, _ = lm.decode(kv2, 4, [0, *toks])
+    for b, (p, tok) in enumerate(zip(prompts, toks)):
+        want = plain_logits(lm, p, [tok])[0]
+        d = float(np.abs(step[1 + b] - want).max()) / max(1.0, float(np.abs(want).max()))
+        worst = max(worst, d)
+        assert d <= tol, (b, d)
+    return worst
+
+
+def check_cached_burst(lm, n_tokens: int = 8) -> list[int]:
+    """An engine with the prefix cache on (speculation off) and one with it off, each given two
+    bursts of four requests sharing a 40-token prefix (the first burst computes it, the second
+    finds it cached): the same greedy tokens. Returns the cached prompt tokens of the second
+    burst (on)."""
+    from kvserve.model.sampling import SamplingParams
+    from kvserve.server.detok import TokenBytes
+    from kvserve.server.domain import FinishEvent, GenerateRequest, OutputParams, StopParams, \
+        TokenEvent
+    from kvserve.server.engine import Engine
+
+    g = np.random.default_rng(5)
+    V = lm.cfg.vocab_size
+    head = g.integers(0, V, 40).tolist()
+    bursts = [[head + g.integers(0, V, int(k)).tolist() for k in g.integers(1, 12, 4)]
+              for _ in range(2)]
+    outs = {}
+    for mb in (0, 16):
+        e = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
+                   score_chunk_floats=64 * V, eos_id=None, prefix_cache_bytes=mb << 20,
+                   speculative_tokens=0)
+        e.start()
+        try:
+            outs[mb] = []
+            for prompts in bursts:
+                hs = e.submit_many([GenerateRequest(p, SamplingParams(), StopParams(
+                    max_new_tokens=n_tokens, ignore_eos=True), OutputParams()) for p in prompts])
+                outs[mb].append([list(h) for h in hs])
+        finally:
+            e.stop()
+
+    def tokens(runs):
+        return [[[ev.token_id for ev in r if isinstance(ev, TokenEvent)] for r in b]
+                for b in runs]
+    assert tokens(outs[16]) == tokens(outs[0])
+    return [next(ev for ev in r if isinstance(ev, FinishEvent)).cached_tokens
+            for r in outs[16][1]]

@@ -312,3 +312,24 @@ def test_quant_blocks_sets_int8s_default_beside_its_blocks(tiny_ckpt, tmp_path):
     assert md.startswith("## int8 block size") and "(× rows (default))" in md
     assert "| rows (default) | 8 |" in md and "| 64 | 8.5 |" in md and "q8_0" in md
     assert "| 0 |" in md.split("| rows (default) |")[1].splitlines()[0]  # its batch movement
+
+
+def test_burst_admission_measures_both_cells(tiny_artifact):
+    """bench/burst_admission.py on the tiny artifact: both ways of both cells timed every
+    round, the switches it flips back as they were."""
+    import kvserve.server.scheduler as scheduler
+    from kvserve.bench.burst_admission import NEW_WAYS, WAYS, measure, measure_new, render
+
+    pad = scheduler.PAD_TOKENS
+    cached = measure(tiny_artifact, requests=3, rounds=2, threads=1, system_tokens=64)
+    new = measure_new(tiny_artifact, requests=3, rounds=2, threads=1)
+    assert scheduler.PAD_TOKENS == pad
+    for res, ways in ((cached, WAYS), (new, NEW_WAYS)):
+        assert set(res["ways"]) == set(ways) and res["last_ttft_ratio"] > 0
+        for w in ways:
+            r = res["ways"][w]
+            assert len(r["rounds_last_ttft_ms"]) == 2 and 0 < r["mean_ttft_ms"] <= \
+                r["last_ttft_ms"] + 1e-9
+    md = render({"requests": 3, "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
+                 "date": "z", "sizes": {"tiny": {"cached": cached, "new": new}}})
+    assert md.count("| tiny |") == 2

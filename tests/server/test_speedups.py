@@ -146,9 +146,9 @@ def test_shared_prefix_admitted_together_is_computed_once(lm):
         seen = []
         orig = e.runner._prefill_cached
 
-        def spy(seq, *own):
-            orig(seq, *own)
-            seen.append(seq.cached_tokens)
+        def spy(group, *own):
+            orig(group, *own)
+            seen.extend(s.cached_tokens for s in group)
         e.runner._prefill_cached = spy
         _run(e, reqs)
         assert seen == [32, 32]
