@@ -390,6 +390,10 @@ class FusedLM(ArtifactRunner):
         last = last and S > 1  # a step's one row is its last
         used = kv.used[lo:lo + n]
         top = int(used.max()) + S  # enough rows for every slot, whatever its qlen
+        if top > self.cfg.max_seq_len:  # (padding included: its positions are looked up in
+            # the graph's position tables)
+            raise ValueError(f"a prefill row, padded to the longest, would pass the model's "
+                             f"context of {self.cfg.max_seq_len} tokens (feed it alone)")
         if top > kv.capacity:
             kv.ensure_capacity(top)
         if last and not attention and self.last_rows:

@@ -192,9 +192,13 @@ class ModelRunner:
         """Each sequence's prompt after its first ``starts[b]`` rows into slot lo + b: one
         call for the group, B x T within the prefill chunk, and the tails that do not fit
         one slot at a time. Returns each one's last logits row (V,)."""
-        if len(group) == 1:  # (any runner: ``extend`` feeds a slot after its rows)
-            return [self._extend(lo, group[0].prefill_ids, starts[0])]
         step = self.sched.prefill_tokens() // len(group)
+        S = max(min(len(s.prefill_ids) - n, step) for s, n in zip(group, starts))
+        if len(group) == 1 or max(starts) + S > self.sched.max_seq_len:  # (rows are padded
+            # to S: a long past's padding would pass the context, where learned and
+            # sinusoidal position tables have no row) a slot at a time, as ``extend`` does
+            return [self._extend(lo + b, s.prefill_ids, n)
+                    for b, (s, n) in enumerate(zip(group, starts))]
         res = self.lm.prefill(self.sched.kv, lo, [s.prefill_ids[n:n + step] for s, n in
                                                   zip(group, starts)], last=True)
         return [res.logits[b][-1] if n + step >= len(s.prefill_ids) else  # (n < len: a

@@ -198,40 +198,67 @@ def check_batched_rests(lm, tol: float, seed: int = 0) -> float:
     return worst
 
 
+def _burst_runs(lm, prefix_mb: int, bursts: list, n_tokens: int) -> list:
+    """Each burst's requests submitted together (greedy, speculation off) to one engine with
+    the prefix cache on (``prefix_mb``) or off: per burst, each request's events."""
+    from kvserve.model.sampling import SamplingParams
+    from kvserve.server.detok import TokenBytes
+    from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
+    from kvserve.server.engine import Engine
+
+    V = lm.cfg.vocab_size
+    e = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
+               score_chunk_floats=64 * V, eos_id=None, prefix_cache_bytes=prefix_mb << 20,
+               speculative_tokens=0)
+    e.start()
+    try:
+        return [[list(h) for h in e.submit_many([GenerateRequest(
+            p, SamplingParams(), StopParams(max_new_tokens=n_tokens, ignore_eos=True),
+            OutputParams()) for p in prompts])] for prompts in bursts]
+    finally:
+        e.stop()
+
+
+def _tokens_and_cached(runs) -> tuple[list, list]:
+    from kvserve.server.domain import FinishEvent, TokenEvent
+
+    tokens = [[[ev.token_id for ev in r if isinstance(ev, TokenEvent)] for r in b]
+              for b in runs]
+    finishes = [[next(ev for ev in r if isinstance(ev, FinishEvent)) for r in b] for b in runs]
+    assert all(f.error == "" for b in finishes for f in b), finishes
+    return tokens, [[f.cached_tokens for f in b] for b in finishes]
+
+
 def check_cached_burst(lm, n_tokens: int = 8) -> list[int]:
     """An engine with the prefix cache on (speculation off) and one with it off, each given two
     bursts of four requests sharing a 40-token prefix (the first burst computes it, the second
     finds it cached): the same greedy tokens. Returns the cached prompt tokens of the second
     burst (on)."""
-    from kvserve.model.sampling import SamplingParams
-    from kvserve.server.detok import TokenBytes
-    from kvserve.server.domain import FinishEvent, GenerateRequest, OutputParams, StopParams, \
-        TokenEvent
-    from kvserve.server.engine import Engine
-
     g = np.random.default_rng(5)
     V = lm.cfg.vocab_size
     head = g.integers(0, V, 40).tolist()
     bursts = [[head + g.integers(0, V, int(k)).tolist() for k in g.integers(1, 12, 4)]
               for _ in range(2)]
-    outs = {}
-    for mb in (0, 16):
-        e = Engine(lm, TokenBytes.without_text(V), max_batch=4, max_queue=8,
-                   score_chunk_floats=64 * V, eos_id=None, prefix_cache_bytes=mb << 20,
-                   speculative_tokens=0)
-        e.start()
-        try:
-            outs[mb] = []
-            for prompts in bursts:
-                hs = e.submit_many([GenerateRequest(p, SamplingParams(), StopParams(
-                    max_new_tokens=n_tokens, ignore_eos=True), OutputParams()) for p in prompts])
-                outs[mb].append([list(h) for h in hs])
-        finally:
-            e.stop()
+    on, _ = _tokens_and_cached(_burst_runs(lm, 16, bursts, n_tokens))
+    off, _ = _tokens_and_cached(_burst_runs(lm, 0, bursts, n_tokens))
+    assert on[0] == off[0] and on[1] == off[1]
+    return _tokens_and_cached(_burst_runs(lm, 16, bursts, n_tokens))[1][1]
 
-    def tokens(runs):
-        return [[[ev.token_id for ev in r if isinstance(ev, TokenEvent)] for r in b]
-                for b in runs]
-    assert tokens(outs[16]) == tokens(outs[0])
-    return [next(ev for ev in r if isinstance(ev, FinishEvent)).cached_tokens
-            for r in outs[16][1]]
+
+def check_burst_at_the_context_end(lm) -> None:
+    """Two requests admitted together after cached prefixes, one a few tokens short of the
+    context's end: padded to the other's longer rest in one call, its row would pass the
+    context (learned and sinusoidal position tables have no row there), so they go a slot at a
+    time: the tokens of the cache off, no error."""
+    g = np.random.default_rng(6)
+    V, C = lm.cfg.vocab_size, lm.cfg.max_seq_len
+    head = g.integers(0, V, C - 8).tolist()  # its whole blocks cached by the first burst
+    cached = (C - 9) // 16 * 16
+    later = [head[:cached] + g.integers(0, V, 6).tolist(),  # rest 6 (+ 4 new: inside C)
+             head[:16] + g.integers(0, V, 18).tolist()]  # rest 18: padding to it passes C
+    assert cached + 6 + 4 <= C < cached + 18  # (and 12 tokens of padding: one group)
+    bursts = [[head], [[7] * 20], later]  # (the second leaves slot 0 without head's rows)
+    on, cached_on = _tokens_and_cached(_burst_runs(lm, 16, bursts, 4))
+    off, _ = _tokens_and_cached(_burst_runs(lm, 0, bursts, 4))
+    assert on == off
+    assert cached_on[2] == [cached, 16]

@@ -90,3 +90,21 @@ def test_rows_and_their_padding_past_the_context_are_refused(lm):
     for b, p in enumerate((p0, p1)):
         want = plain_logits(lm, p, rows[b])
         assert np.abs(logits[b, :len(rows[b])] - want).max() <= LOGIT_TOL
+
+
+def test_a_prefill_whose_padding_would_pass_the_context_is_refused(lm):
+    """A prefill of slots past different rows (restored prefixes admitted together) pads each
+    row to the longest: a slot near the context's end beside a longer row is refused, as in
+    ``verify`` (the engine feeds such rows a slot at a time), and the slots' rows stay."""
+    if lm.kind != "fused":
+        return
+    M, V = lm.cfg.max_seq_len, lm.cfg.vocab_size
+    g = np.random.default_rng(10)
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [g.integers(0, V, M - 3).tolist(), g.integers(0, V, 10).tolist()],
+               last=True)
+    with pytest.raises(ValueError, match=f"context of {M} tokens"):
+        lm.prefill(kv, 0, [[1], [2, 3, 4, 5]], last=True)
+    assert list(kv.used[:2]) == [M - 3, 10]
+    lm.prefill(kv, 0, [[1], [2, 3, 4]], last=True)  # its last padding position is M - 1
+    assert list(kv.used[:2]) == [M - 2, 13]

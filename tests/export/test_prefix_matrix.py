@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from export_matrix import BASE, CONFIGS, EXPORTS, LOGIT_TOL, THREADS
-from spec_testing import check_batched_rests, check_cached_burst, check_greedy_speculation, \
-    check_prefix_restore, check_verify_teacher_forced
+from spec_testing import check_batched_rests, check_burst_at_the_context_end, \
+    check_cached_burst, check_greedy_speculation, check_prefix_restore, \
+    check_verify_teacher_forced
 
 from kvserve.artifact.fused import FusedLM
 from kvserve.export.pipeline import export_artifacts
@@ -50,6 +51,13 @@ def test_bursts_on_a_shared_prefix_are_exact(store, portable):
                  attention=False)
     assert getattr(lm, "prefills_after_rows", False) is not portable
     assert all(n >= 32 for n in check_cached_burst(lm))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_burst_at_the_context_end_stays_inside_it(store, name):
+    """(gpt2: learned positions, whose table ends at the context)"""
+    lm = FusedLM(store.artifact(name), provider="cpu", threads=THREADS, attention=False)
+    check_burst_at_the_context_end(lm)
 
 
 @pytest.mark.parametrize("name", list(WINDOWED))
