@@ -46,7 +46,7 @@ from . import resume
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest, \
     Unavailable
-from .interfaces import EngineMetrics, NullMetrics, Runner, StagedSink
+from .interfaces import EngineMetrics, NullMetrics, Runner, is_staged_sink
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
@@ -366,7 +366,7 @@ class Engine:
             seq.stopper = StopMatcher(req.stopping.stop)
             constrained = req.constraint is not None
             seq.argmax_from = argmax_from(req.sampling, req.stopping, self.eos_ids, constrained)
-            seq.staged = bool(self.stream_interval) and isinstance(seq.handle.events, StagedSink)
+            seq.staged = bool(self.stream_interval) and is_staged_sink(seq.handle.events)
             seq.quiet = quiet_rule(req.sampling, req.stopping, req.output, self.eos_ids,
                                    seq.staged, constrained)
             if req.resume and resume.restore(seq, self.eos_ids, self.output,

@@ -74,6 +74,12 @@ class StagedSink(EventSink, Protocol):
     def wake(self) -> None: ...
 
 
+def is_staged_sink(sink: Any) -> bool:
+    """``isinstance(sink, StagedSink)`` in ~0.2 us: the runtime Protocol check walks the
+    protocol's members on every call (10-17 us, paid at each admission)."""
+    return all(callable(getattr(sink, m, None)) for m in ("put", "stage", "wake"))
+
+
 class EngineMetrics(Protocol):
     """The hooks the engine calls (``server.metrics.Metrics``)."""
 

@@ -213,3 +213,20 @@ def test_a_sink_with_put_alone_gets_every_event():
         assert [e.token_id for e in sink.events[:-1]] == lm.reference([3], 20)
     finally:
         engine.stop()
+
+
+def test_is_staged_sink_agrees_with_the_protocol_check():
+    import queue
+
+    from kvserve.server.events import EventChannel
+    from kvserve.server.interfaces import StagedSink, is_staged_sink
+
+    class PutOnly:
+        def put(self, ev): ...
+
+    class NotCallable:
+        put = stage = wake = None
+
+    for sink in (EventChannel(), queue.SimpleQueue(), PutOnly(), NotCallable(), object()):
+        assert is_staged_sink(sink) == isinstance(sink, StagedSink), sink
+    assert is_staged_sink(EventChannel()) and not is_staged_sink(queue.SimpleQueue())
