@@ -216,9 +216,6 @@ def test_a_sink_with_put_alone_gets_every_event():
 
 
 def test_is_staged_sink_agrees_with_the_protocol_check():
-    import queue
-
-    from kvserve.server.events import EventChannel
     from kvserve.server.interfaces import StagedSink, is_staged_sink
 
     class PutOnly:
