@@ -2,7 +2,7 @@
 with the rests of their prompts prefilled in groups of one call each, as the engine admits them,
 against one request at a time, as it did before (the runner's ``prefills_after_rows`` switched
 off). New prompts of different lengths: grouped as now (a prompt joins a group only where the
-padding it adds costs less than a call: ``scheduler.PAD_TOKENS``) against all in one call
+padding it adds costs less than a call: ``Scheduler.pad_tokens``) against all in one call
 padded to the longest, as before.
 
     python bench/burst_admission.py [--sizes bench-6m bench-100m] [--requests 8] [--rounds 9]
@@ -65,23 +65,22 @@ def _summary(figures: dict, ways: tuple[str, str]) -> dict:
 
 def measure_new(artifact: Path, requests: int, rounds: int, threads: int) -> dict:
     """New prompts of different lengths, grouped against one padded call."""
-    import kvserve.server.scheduler as scheduler
     from kvserve.bench.runner_kvserve import EngineRunner
 
     runner = EngineRunner(str(artifact), threads, max_batch=requests, prefix_cache_mb=0,
                           speculative_tokens=8)
-    V, pad = runner.cfg.vocab_size, scheduler.PAD_TOKENS
+    V, sched = runner.cfg.vocab_size, runner.engine.sched
+    pad = sched.pad_tokens
     g = np.random.default_rng(1)
     figures = {w: [] for w in NEW_WAYS}
     try:
         for r in range(rounds):
             for way in (NEW_WAYS if r % 2 == 0 else NEW_WAYS[::-1]):
-                scheduler.PAD_TOKENS = pad if way == "grouped" else 1 << 30
+                sched.pad_tokens = pad if way == "grouped" else None
                 prompts = [g.integers(2, V, int(n)).tolist() for n in g.integers(16, 48, requests)]
                 figures[way].append(_burst(runner, [], prompts))
                 time.sleep(0.05)
     finally:
-        scheduler.PAD_TOKENS = pad
         runner.engine.stop()
     return _summary(figures, NEW_WAYS)
 

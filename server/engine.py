@@ -110,6 +110,8 @@ class Engine:
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
                      "speed features", sensitive)
         self.sched.fixed_chunks = self.sched.attention_alone = bool(self.inexact)
+        if getattr(lm, "device", "cpu") != "cpu":  # (scheduler.PAD_TOKENS: measured on CPU)
+            self.sched.pad_tokens = None
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \

@@ -19,9 +19,11 @@ from .sequence import Sequence
 
 # a request whose time limit passed while it waited for a slot (its FinishEvent's error: the
 # gRPC caller gets RESOURCE_EXHAUSTED, an HTTP one 429, both retryable, not an empty success)
-# padding (tokens) a prefill group takes on rather than make another call: a call costs about
-# as much as this many more tokens in one (6M and 100M bench models, fp32, 2 cores: a one-token
-# call ~1 ms / ~15 ms, each further token ~0.08 ms / ~1.3 ms)
+# padding (tokens) a prefill group takes on rather than make another call, on the CPU
+# provider: a call costs about as much as this many more tokens in one (6M and 100M bench
+# models, fp32, 2 cores: a one-token call ~1 ms / ~15 ms, each further token ~0.08 ms / ~1.3
+# ms). Not measured on CUDA, where a call's tokens cost far less beside its fixed cost: there
+# a group pads as before, up to the chunk (``Scheduler.pad_tokens`` None)
 PAD_TOKENS = 12
 QUEUED_OUT = ("the server is at capacity: the request waited {seconds:.1f} s for a batch slot, "
               "up to its time limit, and never started; retry later")
@@ -48,6 +50,9 @@ class Scheduler:
         # a sequence that asks for attention runs in a batch of its own: the diagnostics graph
         # a step takes for it would move its neighbours' logits (server.rounding)
         self.attention_alone = False
+        # the padding a prefill group takes on rather than make another call (None: any, as
+        # long as B x T fits the chunk; the engine's choice by provider)
+        self.pad_tokens: int | None = PAD_TOKENS
         self.active: list[Sequence] = []  # active[i] lives in KV slot i
         # called as on_leave([(slot, seq, kept), ...]) with the sequences finished at once,
         # before their slots are given up (the prefix cache keeps their rows); kept: no
@@ -119,7 +124,7 @@ class Scheduler:
                        ) -> list[list[Sequence]]:
         """Batched prefill groups, shortest first, so that B x T stays under the chunk and a
         sequence joins a group only where the padding it adds to the others (rows are padded
-        to the longest) costs less than a call of its own (``PAD_TOKENS``). ``todo``: a
+        to the longest) costs less than a call of its own (``pad_tokens``). ``todo``: a
         sequence's tokens to prefill (by default its whole ``prefill_ids``; less after a
         cached prefix)."""
         chunk = self.prefill_tokens()
@@ -129,8 +134,9 @@ class Scheduler:
         group: list[Sequence] = []
         for seq in plain:
             t = size[id(seq)]
+            pad = len(group) * (t - size[id(group[-1])]) if group else 0
             if group and ((len(group) + 1) * t > chunk or
-                          len(group) * (t - size[id(group[-1])]) > PAD_TOKENS):
+                          (self.pad_tokens is not None and pad > self.pad_tokens)):
                 groups.append(group)
                 group = []
             group.append(seq)

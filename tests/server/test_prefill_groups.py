@@ -52,3 +52,21 @@ def test_the_tokens_to_prefill_after_a_cached_prefix_are_what_is_grouped():
     todo = {id(seqs[0]): 8, id(seqs[1]): 9, id(seqs[2]): 70}  # two after 32 cached tokens
     groups = _sched().prefill_groups(seqs, lambda s: todo[id(s)])
     assert _lengths(groups) == [[40, 41], [70]]
+
+
+def test_the_padding_rule_is_the_cpu_providers():
+    """Measured on CPU only: on another device a group pads up to the chunk, as before."""
+    from fake_lm import FakeLM
+
+    from kvserve.server.detok import TokenBytes
+    from kvserve.server.engine import Engine
+
+    lm = FakeLM()
+    for device, pad in (("cpu", PAD_TOKENS), ("cuda", None)):
+        lm.device = device
+        e = Engine(lm, TokenBytes.without_text(lm.cfg.vocab_size), max_batch=4, max_queue=4,
+                   score_chunk_floats=64 * lm.cfg.vocab_size, eos_id=None)
+        assert e.sched.pad_tokens == pad
+    s = _sched()
+    s.pad_tokens = None
+    assert _lengths(s.prefill_groups(_seqs(47, 16, 33))) == [[16, 33, 47]]
