@@ -17,14 +17,14 @@ from .interfaces import KVCache
 from .output import OutputProcessor
 from .sequence import Sequence
 
-# a request whose time limit passed while it waited for a slot (its FinishEvent's error: the
-# gRPC caller gets RESOURCE_EXHAUSTED, an HTTP one 429, both retryable, not an empty success)
 # padding (tokens) a prefill group takes on rather than make another call, on the CPU
 # provider: a call costs about as much as this many more tokens in one (6M and 100M bench
 # models, fp32, 2 cores: a one-token call ~1 ms / ~15 ms, each further token ~0.08 ms / ~1.3
 # ms). Not measured on CUDA, where a call's tokens cost far less beside its fixed cost: there
 # a group pads as before, up to the chunk (``Scheduler.pad_tokens`` None)
 PAD_TOKENS = 12
+# a request whose time limit passed while it waited for a slot (its FinishEvent's error: the
+# gRPC caller gets RESOURCE_EXHAUSTED, an HTTP one 429, both retryable, not an empty success)
 QUEUED_OUT = ("the server is at capacity: the request waited {seconds:.1f} s for a batch slot, "
               "up to its time limit, and never started; retry later")
 

@@ -4,16 +4,14 @@ one model call for a burst on a shared prefix, outputs and logits those of the c
 from __future__ import annotations
 
 import numpy as np
-import pytest
+from test_speedups import LOGIT_TOL, _engine, lm  # noqa: F401  (lm: the module's fixture)
 
 from kvserve.model.sampling import SamplingParams
-from kvserve.server.detok import TokenBytes
 from kvserve.server.domain import FinishEvent, GenerateRequest, OutputParams, StopParams, \
     TokenEvent
 from kvserve.server.engine import Engine
 from kvserve.server.prefix_cache import prefill_now
 
-LOGIT_TOL = 1e-4
 BT = 16
 HEAD = [(5 * i) % 200 + 7 for i in range(40)]  # 40 tokens: two whole blocks and 8
 
@@ -48,21 +46,6 @@ def test_a_match_leaves_one_token_so_identical_short_prompts_share_what_is_compu
     assert prefill_now([short, list(short)], [0, 0], BT) == [True, True]
 
 
-@pytest.fixture(scope="module")
-def lm(artifact):
-    from kvserve.artifact.loader import load_lm
-    return load_lm(artifact.dir, provider="cpu", threads=1, attention=False)
-
-
-def _engine(lm, prefix_mb: int, max_batch: int = 4) -> Engine:
-    V = lm.cfg.vocab_size
-    e = Engine(lm, TokenBytes.without_text(V), max_batch=max_batch, max_queue=16,
-               score_chunk_floats=64 * V, eos_id=None, prefix_cache_bytes=prefix_mb << 20,
-               speculative_tokens=0)
-    e.start()
-    return e
-
-
 def _burst(engine: Engine, prompts, n: int = 6) -> tuple[list[list[int]], list, list[int]]:
     """The prompts submitted together: each one's tokens, first-token logits, cached tokens."""
     reqs = [GenerateRequest(list(p), SamplingParams(), StopParams(max_new_tokens=n,
@@ -88,7 +71,7 @@ def _calls(monkeypatch, lm) -> list[int]:
 
 
 def _compare(lm, prompts, got) -> None:
-    off = _engine(lm, 0)
+    off = _engine(lm, 0, 0)
     try:
         want = _burst(off, prompts)
     finally:
@@ -102,7 +85,7 @@ def _compare(lm, prompts, got) -> None:
 def test_a_burst_on_a_new_shared_prefix_computes_it_once_then_the_rest_in_one_call(
         lm, monkeypatch):
     prompts = [HEAD + [1, 2], HEAD + [3], HEAD + [4, 5, 6, 7], HEAD + [8] * 9]
-    e = _engine(lm, 64)
+    e = _engine(lm, 64, 0)
     try:
         rows = _calls(monkeypatch, lm)
         got = _burst(e, prompts)
@@ -119,7 +102,7 @@ def test_a_rest_past_its_share_of_a_shrunken_chunk_goes_on_in_its_own_slot(lm, m
     """The prefill chunk can shrink between grouping and the call (it is sized by the cache's
     rows, which a restore can grow): each row of the call gets its share of the chunk then, and
     a longer rest's tail follows in its own slot, exactly."""
-    warm = _engine(lm, 64)
+    warm = _engine(lm, 64, 0)
     try:
         _burst(warm, [HEAD + [1]])  # the shared blocks cached ...
         _burst(warm, [[250] * 20])  # ... and slot 0's rows no longer theirs
