@@ -103,13 +103,16 @@ class RecordingMetrics:
 class EngineRunner(Runner):
     """The real continuous-batching engine, in-process. ``prefix_cache_mb`` and
     ``speculative_tokens`` as ``kvserve serve``'s flags (0: off, the Engine's own default;
-    ``engine_on`` in the plan runs the server's defaults)."""
+    ``engine_on`` in the plan runs the server's defaults); ``inexact_speedups`` as
+    ``--inexact-speedups`` (int8 / int4 artifacts: the prefix cache and speculation on there
+    too)."""
     name = "engine"
     has_score = True
     has_stream = True
 
     def __init__(self, artifact: str, threads: int, max_batch: int = 16,
-                 prefix_cache_mb: int = 0, speculative_tokens: int = 0):
+                 prefix_cache_mb: int = 0, speculative_tokens: int = 0,
+                 inexact_speedups: bool = False):
         from tokenizers import Tokenizer as HFTokenizer
 
         from kvserve.artifact.loader import load_lm
@@ -129,7 +132,8 @@ class EngineRunner(Runner):
                              prefill_chunk_tokens=c.prefill_chunk_tokens,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics(),
                              prefix_cache_bytes=prefix_cache_mb << 20,
-                             speculative_tokens=speculative_tokens)
+                             speculative_tokens=speculative_tokens,
+                             inexact_speedups=inexact_speedups)
         self.metrics = self.engine.metrics
         self.engine.start()
 

@@ -6,6 +6,14 @@ A batch of B prompts is B sequences of one context (``n_seq_max`` = B, a unified
 what its server's parallel slots run): the prompts are prefilled together in one
 ``llama_decode`` (chunked by ``n_batch``), then every step decodes the B next tokens in one
 call. Contexts are made once per batch size and reused, their memory cleared per call.
+
+``lookup`` > 0: llama.cpp with prompt-lookup decoding, as llama-cpp-python ships it
+(``llama_cpp.llama_speculative.LlamaPromptLookupDecoding``, its defaults: the first earlier
+occurrence of the last 2 tokens, else of the last one, proposes up to ``lookup`` = 10 tokens),
+each sequence's draft verified in the same ``llama_decode`` as the others' (ragged rows, one
+logits row each), greedy: the agreeing draft tokens and the one after them are kept, the
+rejected rows removed from the KV cache (``llama_memory_seq_rm``). The output is the plain
+path's as far as llama.cpp's rows agree across call shapes (the bench compares them).
 Needs ``pip install 'kvserve[llamacpp]'`` (built without AMX on these machines:
 docs/benchmarks.md says how).
 """
@@ -23,10 +31,12 @@ N_BATCH = 512  # tokens per llama_decode call of a prefill
 class LlamaCppRunner(Runner):
     name = "llamacpp"
 
-    def __init__(self, gguf: str, threads: int, max_tokens: int = 2048):
+    def __init__(self, gguf: str, threads: int, max_tokens: int = 2048, lookup: int = 0):
         import llama_cpp as L
 
         self.L, self.threads, self.max_tokens = L, threads, max_tokens
+        self.lookup = lookup
+        self.drafted = self.accepted = 0  # prompt-lookup totals (``lookup``)
         L.llama_backend_init()
         L.llama_log_set(_quiet, None)
         mp = L.llama_model_default_params()
@@ -79,17 +89,27 @@ class LlamaCppRunner(Runner):
         finally:
             L.llama_batch_free(b)
 
+    def _prefilled(self, prompts: np.ndarray, rows: int):
+        """A cleared context holding ``prompts`` (B, P) and room for ``rows`` per sequence:
+        (context, each sequence's greedy first token)."""
+        L = self.L
+        B, P = prompts.shape
+        ctx = self._ctx(B, rows)
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        feed = [(int(prompts[s, p]), p, s, p == P - 1) for s in range(B) for p in range(P)]
+        for a in range(0, len(feed), N_BATCH):
+            self._decode(ctx, feed[a:a + N_BATCH])
+        return ctx, self._first_tokens(ctx, prompts)
+
     def generate(self, prompts, n, times: list | None = None):
         L = self.L
         prompts = np.asarray(prompts, np.int64)
         B, P = prompts.shape
-        ctx = self._ctx(B, P + n + 1)
-        L.llama_memory_clear(L.llama_get_memory(ctx), True)
-        rows = [(int(prompts[s, p]), p, s, p == P - 1) for s in range(B) for p in range(P)]
-        for a in range(0, len(rows), N_BATCH):
-            self._decode(ctx, rows[a:a + N_BATCH])
+        if self.lookup:
+            return self._generate_lookup(prompts, n, times)
+        ctx, first = self._prefilled(prompts, P + n + 1)
         out = np.empty((B, n), np.int64)
-        out[:, 0] = self._first_tokens(ctx, prompts)
+        out[:, 0] = first
         if times is not None:
             times.append(time.perf_counter())
         for k in range(1, n):
@@ -98,6 +118,46 @@ class LlamaCppRunner(Runner):
             if times is not None:
                 times.append(time.perf_counter())
         return out
+
+    def _generate_lookup(self, prompts: np.ndarray, n: int, times: list | None) -> np.ndarray:
+        """``generate`` with prompt-lookup drafts (see the module's docstring)."""
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        L, draft = self.L, LlamaPromptLookupDecoding.find_candidate_pred_tokens
+        B, P = prompts.shape
+        ctx, first = self._prefilled(prompts, P + n + self.lookup + 1)
+        if times is not None:
+            times.append(time.perf_counter())
+        mem = L.llama_get_memory(ctx)
+        seqs = [[*map(int, prompts[s]), first[s]] for s in range(B)]
+        while True:
+            rows, drafts = [], []
+            for s, ids in enumerate(seqs):
+                left = P + n - len(ids)  # tokens still to make (a draft makes one more)
+                if left <= 0:
+                    continue
+                d = draft(np.asarray(ids, np.intc), 2, min(self.lookup, left - 1)).tolist() \
+                    if left > 1 else []
+                drafts.append((s, d, len(rows)))
+                pos = len(ids) - 1  # the last token's row is fed now
+                rows += [(t, pos + j, s, True) for j, t in enumerate([ids[-1], *d])]
+            if not rows:
+                break
+            idx = self._decode(ctx, rows)
+            for s, d, r0 in drafts:
+                pos, k = len(seqs[s]) - 1, 0
+                while True:  # the plain path's token at each row, while the draft agrees
+                    tok = L.llama_sampler_sample(self.sampler, ctx, idx[r0 + k])
+                    seqs[s].append(int(tok))
+                    if k == len(d) or tok != d[k]:
+                        break
+                    k += 1
+                self.drafted, self.accepted = self.drafted + len(d), self.accepted + k
+                if k < len(d):  # the rejected draft tokens' rows leave the cache
+                    L.llama_memory_seq_rm(mem, s, pos + 1 + k, -1)
+            if times is not None:
+                times.append(time.perf_counter())
+        return np.array([ids[P:P + n] for ids in seqs], np.int64)
 
     def _first_tokens(self, ctx, prompts: np.ndarray) -> list[int]:
         """Greedy first tokens after a prefill: sequences whose last prompt row was not in the

@@ -330,3 +330,13 @@ def test_burst_admission_measures_both_cells(tiny_artifact):
     md = render({"requests": 3, "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
                  "date": "z", "sizes": {"tiny": {"cached": cached, "new": new}}})
     assert md.count("| tiny |") == 2
+
+
+def test_lookup_peers_committed_table_is_its_json_rendered():
+    """bench/results/lookup-peers.md is bench/lookup_peers.py's rendering of its .json (the
+    figures docs/speed.md quotes come from the file, not from hand edits)."""
+    from kvserve.bench.common import committed_results
+    from kvserve.bench.lookup_peers import render
+
+    res = committed_results("a test") / "lookup-peers.json"
+    assert res.with_suffix(".md").read_text() == render(json.loads(res.read_text()))

@@ -403,9 +403,10 @@ def test_llamacpp_only_plan_pairs_the_same_cells():
 
 def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
     """The tiny model's weights through the sdist's convert_hf_to_gguf.py (f32) and q8_0
-    quantization; llama.cpp's greedy tokens equal kvserve's raw loop's at batch 1 and 2, with
-    a prefill longer than one llama_decode chunk. Needs llama-cpp-python and its sdist's
-    converter (KVSERVE_LLAMACPP_SRC, or one fetched into the bench cache)."""
+    quantization; llama.cpp's greedy tokens equal kvserve's raw loop's at batch 1 and 3, with
+    a prefill longer than one llama_decode chunk, and with prompt lookup its plain ones. Needs
+    llama-cpp-python and its sdist's converter (KVSERVE_LLAMACPP_SRC, or one fetched into the
+    bench cache)."""
     import os
 
     pytest.importorskip("llama_cpp")
@@ -432,6 +433,27 @@ def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
             assert np.array_equal(ll.generate(prompts, 8), loop.generate(prompts, 8))
         toks, first, total = ll.timed(prompts_for(1, 12, vocab), 4)
         assert toks.shape == (1, 4) and 0 < first <= total
+        # prompt lookup (bench/lookup_peers.py): prompts that repeat a pattern draft from it;
+        # the kept tokens are the plain path's, the rejected rows leave the cache
+        lookup = LlamaCppRunner(str(files["f32"]), 2, lookup=10)
+        try:
+            for B in (1, 2):
+                pattern = prompts_for(B, 6, vocab, seed=3)
+                prompts = np.concatenate([pattern] * 4, axis=1)
+                plain = ll.generate(prompts, 24)
+                assert np.array_equal(lookup.generate(prompts, 24), plain)
+            assert lookup.drafted > 0 and 0 <= lookup.accepted <= lookup.drafted
+        finally:
+            lookup.close()
+        # bench/lookup_peers.py's cell: every runner timed each round, tokens compared with
+        # their own runtime's plain path (kvserve's speedups keep them all: fp32)
+        from kvserve.bench.lookup_peers import BATCHES, ON, measure
+
+        cell = measure(Path(artifact.dir), files["f32"], "fp32", rounds=2, new=8, threads=1)
+        assert sorted(cell) == sorted(map(str, BATCHES))
+        for res in cell.values():
+            assert all(len(r["rounds_tok_s"]) == 2 for r in res["runners"].values())
+            assert res["runners"][ON]["same_tokens"] == 1.0 and len(res["ratios"]) == 2
     finally:
         ll.close()
 

@@ -1,0 +1,194 @@
+"""kvserve's speculation against llama.cpp's own prompt-lookup decoding (a script): the
+bench's llama.cpp cells compare plain decoding, where at batch 1 both read every weight once a
+token; here each side also runs its n-gram drafting, as its users would switch it on.
+
+    python bench/lookup_peers.py [--sizes bench-6m bench-100m] [--rounds 7] [--new-tokens 128]
+                                 [--update-committed | --out FILE.json] [--render-only]
+
+Per size and precision (6M: fp32; 100M: fp32, int8, int4 against f32, q8_0, q4_0 GGUFs of the
+same weights, ``bench/gguf_convert.py``), batch 1 and 8, greedy, random 32-token prompts
+(``prompts_for``) and ``--new-tokens`` new tokens, tok/s = batch × new tokens / wall time:
+- llama.cpp: llama-cpp-python's low-level API (``bench/runner_llamacpp.py``), plain, and with
+  prompt lookup (llama-cpp-python's ``LlamaPromptLookupDecoding``, its defaults: up to 10
+  draft tokens after a match of the last 2 tokens or the last one);
+- kvserve's engine in-process: speculation off, the server's defaults (prefix cache and
+  speculation on; on int8 / int4 artifacts both stay off by default, exact: server.rounding),
+  and on int8 / int4 ``--inexact-speedups`` (speculation on there too).
+The runners take turns in alternating order in one process; a ratio is the median over rounds
+of the two runners' turns in the same round. 'same tokens' compares each output with its own
+runtime's plain decoding (llama.cpp with llama.cpp, kvserve with kvserve; the two runtimes'
+int4 weights are quantized differently, their tokens are not compared).
+
+Results: ``lookup-peers.json`` and ``.md`` (``--update-committed``: ``bench/results/``;
+docs/speed.md quotes them). Needs ``pip install 'kvserve[llamacpp]'``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.bench.common import CACHE, committed_results, cpu_model
+from kvserve.bench.runner_base import prompts_for
+
+PROMPT = 32
+BATCHES = (1, 8)
+LOOKUP = 10  # llama-cpp-python's LlamaPromptLookupDecoding default num_pred_tokens
+PRECISIONS = {"bench-6m": [("fp32", "f32")],
+              "bench-100m": [("fp32", "f32"), ("int8", "q8_0"), ("int4", "q4_0")]}
+LLAMA, LOOKUP_RUN = "llama.cpp", "llama.cpp + prompt lookup"
+OFF, ON, INEXACT = "kvserve, speculation off", "kvserve, server defaults", \
+    "kvserve, --inexact-speedups"
+PLAIN = {LOOKUP_RUN: LLAMA, ON: OFF, INEXACT: OFF}  # whose tokens a runner's should be
+
+
+def _runners(artifact: Path, gguf: Path, precision: str, threads: int) -> dict:
+    from kvserve.bench.runner_kvserve import EngineRunner
+    from kvserve.bench.runner_llamacpp import LlamaCppRunner
+    from kvserve.server.config import ServerConfig
+
+    c = ServerConfig()
+    on = dict(prefix_cache_mb=c.prefix_cache_mb, speculative_tokens=c.speculative_tokens)
+    mb = max(BATCHES)
+    out = {LLAMA: LlamaCppRunner(str(gguf), threads),
+           LOOKUP_RUN: LlamaCppRunner(str(gguf), threads, lookup=LOOKUP),
+           OFF: EngineRunner(str(artifact), threads, max_batch=mb),
+           ON: EngineRunner(str(artifact), threads, max_batch=mb, **on)}
+    if precision != "fp32":
+        out[INEXACT] = EngineRunner(str(artifact), threads, max_batch=mb, inexact_speedups=True,
+                                    **on)
+    return out
+
+
+def _counts(r) -> tuple[int, int]:
+    """(drafted, accepted) so far: llama.cpp's lookup totals or the engine's metrics."""
+    m = getattr(r, "metrics", None)
+    return (m.drafted, m.accepted) if m is not None else (r.drafted, r.accepted)
+
+
+def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
+            threads: int) -> dict:
+    runners = _runners(artifact, gguf, precision, threads)
+    try:
+        V = runners[OFF].cfg.vocab_size
+        names = list(runners)
+        out = {}
+        for B in BATCHES:
+            prompts = prompts_for(B, PROMPT, V)
+            tokens = {k: r.generate(prompts, new) for k, r in runners.items()}  # (warm-up)
+            start = {k: _counts(r) for k, r in runners.items()}
+            tok_s = {k: [] for k in names}
+            for rnd in range(rounds):
+                for k in (names if rnd % 2 == 0 else names[::-1]):
+                    time.sleep(0.3)
+                    t0 = time.perf_counter()
+                    runners[k].generate(prompts, new)
+                    tok_s[k].append(B * new / (time.perf_counter() - t0))
+            cell = {}
+            for k in names:
+                d0, a0 = start[k]
+                d1, a1 = _counts(runners[k])
+                plain = PLAIN.get(k)
+                cell[k] = {"tok_s_median": float(np.median(tok_s[k])),
+                           "tok_s_best": float(max(tok_s[k])),
+                           "rounds_tok_s": [round(x, 1) for x in tok_s[k]],
+                           "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
+                           "same_tokens": None if plain is None else
+                           float((tokens[k] == tokens[plain]).mean())}
+            ratios = {f"{ON} / {peer}": float(np.median([a / b for a, b in zip(
+                tok_s[ON], tok_s[peer])])) for peer in (LLAMA, LOOKUP_RUN)}
+            if INEXACT in tok_s:
+                ratios[f"{INEXACT} / {LOOKUP_RUN}"] = float(np.median([a / b for a, b in zip(
+                    tok_s[INEXACT], tok_s[LOOKUP_RUN])]))
+            out[str(B)] = {"runners": cell, "ratios": ratios}
+        return out
+    finally:
+        for r in runners.values():
+            r.close()
+
+
+def render(data: dict) -> str:
+    out = ["# Speculation against llama.cpp's prompt lookup", "",
+           f"`bench/lookup_peers.py`: random {PROMPT}-token prompts, {data['new_tokens']} new "
+           f"tokens, greedy; tok/s medians of {data['rounds']} alternating rounds (best in "
+           f"brackets); {data['cpu']}, {data['threads']} threads, onnxruntime "
+           f"{data['onnxruntime']}, llama-cpp-python {data['llama_cpp']}, {data['date']}. "
+           f"Acceptance: accepted / drafted tokens. Same tokens: share of the output equal to "
+           f"its own runtime's plain decoding.", "",
+           "| size, precision | batch | runner | tok/s | acceptance | same tokens |",
+           "|---|---|---|---|---|---|"]
+    ratios = []
+    for key, batches in data["cells"].items():
+        for B, cell in batches.items():
+            for name, r in cell["runners"].items():
+                acc = "–" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
+                same = "–" if r["same_tokens"] is None else f"{100 * r['same_tokens']:.0f}%"
+                out.append(f"| {key} | {B} | {name} | {r['tok_s_median']:,.0f} "
+                           f"({r['tok_s_best']:,.0f}) | {acc} | {same} |")
+            ratios += [f"| {key} | {B} | {k} | {v:.2f}× |" for k, v in cell["ratios"].items()]
+    out += ["", "Paired ratios (median over rounds):", "",
+            "| size, precision | batch | ratio | |", "|---|---|---|---|", *ratios]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import llama_cpp
+    import onnxruntime as ort
+
+    from kvserve.bench.build import build
+    from kvserve.bench.gguf_convert import gguf_files
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cache", default=str(CACHE))
+    ap.add_argument("--out", default=None, help="results .json path (default: under --cache)")
+    ap.add_argument("--update-committed", action="store_true",
+                    help="write bench/results/lookup-peers.json and .md")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the .md of the results (--out, else the committed ones) only")
+    args = ap.parse_args(argv)
+    if args.out and args.update_committed:
+        ap.error("--out and --update-committed exclude each other")
+    name = "lookup-peers.json"
+    out = Path(committed_results("--update-committed") / name
+               if args.update_committed or (args.render_only and not args.out)
+               else args.out or Path(args.cache) / name)
+    if args.render_only:
+        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        return 0
+    data = {"rounds": args.rounds, "new_tokens": args.new_tokens, "threads": args.threads,
+            "lookup_tokens": LOOKUP, "cpu": cpu_model(), "onnxruntime": ort.__version__,
+            "llama_cpp": llama_cpp.__version__, "python": platform.python_version(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cells": {}}
+    cache = Path(args.cache)
+    for size in args.sizes:
+        quantized = size == "bench-100m"
+        built = build(size, cache, genai=False, int8=quantized, int4=quantized,
+                      threads=args.threads)
+        ggufs = gguf_files(built.hf, built.root / "gguf", cache,
+                           [q for _, q in PRECISIONS[size]])
+        for precision, quant in PRECISIONS[size]:
+            art = getattr(built, precision)
+            data["cells"][f"{size} {precision} / {quant}"] = measure(
+                art, ggufs[quant], precision, args.rounds, args.new_tokens, args.threads)
+            print(f"{size} {precision}: done", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(data))
+    print(render(data))
+    print(f"written {out} and {out.with_suffix('.md').name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
