@@ -1,4 +1,5 @@
-"""kvserve's speculation against llama.cpp's own prompt-lookup decoding (a script): the
+"""kvserve's speculation against llama.cpp with llama-cpp-python's prompt-lookup decoding (a
+script): the
 bench's llama.cpp cells compare plain decoding, where at batch 1 both read every weight once a
 token; here each side also runs its n-gram drafting, as its users would switch it on.
 
@@ -7,10 +8,14 @@ token; here each side also runs its n-gram drafting, as its users would switch i
 
 Per size and precision (6M: fp32; 100M: fp32, int8, int4 against f32, q8_0, q4_0 GGUFs of the
 same weights, ``bench/gguf_convert.py``), batch 1 and 8, greedy, random 32-token prompts
-(``prompts_for``) and ``--new-tokens`` new tokens, tok/s = batch × new tokens / wall time:
-- llama.cpp: llama-cpp-python's low-level API (``bench/runner_llamacpp.py``), plain, and with
-  prompt lookup (llama-cpp-python's ``LlamaPromptLookupDecoding``, its defaults: up to 10
-  draft tokens after a match of the last 2 tokens or the last one);
+(``prompts_for``, new ones each round, the same for every runner in it: nothing comes from
+kvserve's prefix cache) and ``--new-tokens`` new tokens, tok/s = batch × new tokens / wall
+time:
+- llama.cpp: llama-cpp-python's low-level API (``bench/runner_llamacpp.py``), plain (one KV
+  cache for the batch, as its server's parallel slots), and with prompt lookup
+  (llama-cpp-python's ``LlamaPromptLookupDecoding``, its defaults: up to 10 draft tokens after
+  the first earlier match of the last 2 tokens, else of the last one; a KV cache per
+  sequence);
 - kvserve's engine in-process: speculation off, the server's defaults (prefix cache and
   speculation on; on int8 / int4 artifacts both stay off by default, exact: server.rounding),
   and on int8 / int4 ``--inexact-speedups`` (speculation on there too).
@@ -80,16 +85,20 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
         names = list(runners)
         out = {}
         for B in BATCHES:
-            prompts = prompts_for(B, PROMPT, V)
-            tokens = {k: r.generate(prompts, new) for k, r in runners.items()}  # (warm-up)
+            for r in runners.values():  # (warm-up, prompts of their own)
+                r.generate(prompts_for(B, PROMPT, V, seed=10_000 + B), new)
             start = {k: _counts(r) for k, r in runners.items()}
+            cached0 = runners[ON].metrics.cached_tokens
             tok_s = {k: [] for k in names}
+            tokens = {k: [] for k in names}
             for rnd in range(rounds):
+                prompts = prompts_for(B, PROMPT, V, seed=100 * B + rnd)
                 for k in (names if rnd % 2 == 0 else names[::-1]):
                     time.sleep(0.3)
                     t0 = time.perf_counter()
-                    runners[k].generate(prompts, new)
+                    tokens[k].append(runners[k].generate(prompts, new))
                     tok_s[k].append(B * new / (time.perf_counter() - t0))
+            tokens = {k: np.stack(v) for k, v in tokens.items()}
             cell = {}
             for k in names:
                 d0, a0 = start[k]
@@ -106,7 +115,8 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
             if INEXACT in tok_s:
                 ratios[f"{INEXACT} / {LOOKUP_RUN}"] = float(np.median([a / b for a, b in zip(
                     tok_s[INEXACT], tok_s[LOOKUP_RUN])]))
-            out[str(B)] = {"runners": cell, "ratios": ratios}
+            out[str(B)] = {"runners": cell, "ratios": ratios,
+                           "cached_tokens": runners[ON].metrics.cached_tokens - cached0}
         return out
     finally:
         for r in runners.values():
@@ -114,10 +124,11 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
 
 
 def render(data: dict) -> str:
-    out = ["# Speculation against llama.cpp's prompt lookup", "",
+    out = ["# Speculation against llama.cpp with prompt lookup", "",
            f"`bench/lookup_peers.py`: random {PROMPT}-token prompts, {data['new_tokens']} new "
            f"tokens, greedy; tok/s medians of {data['rounds']} alternating rounds (best in "
-           f"brackets); {data['cpu']}, {data['threads']} threads, onnxruntime "
+           f"brackets), new prompts each round; {data['cpu']}, {data['threads']} threads, "
+           f"onnxruntime "
            f"{data['onnxruntime']}, llama-cpp-python {data['llama_cpp']}, {data['date']}. "
            f"Acceptance: accepted / drafted tokens. Same tokens: share of the output equal to "
            f"its own runtime's plain decoding.", "",
@@ -128,7 +139,8 @@ def render(data: dict) -> str:
         for B, cell in batches.items():
             for name, r in cell["runners"].items():
                 acc = "–" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}%"
-                same = "–" if r["same_tokens"] is None else f"{100 * r['same_tokens']:.0f}%"
+                same = "–" if r["same_tokens"] is None else \
+                    f"{np.floor(1000 * r['same_tokens']) / 10:g}%"  # (99.96%: not 100%)
                 out.append(f"| {key} | {B} | {name} | {r['tok_s_median']:,.0f} "
                            f"({r['tok_s_best']:,.0f}) | {acc} | {same} |")
             ratios += [f"| {key} | {B} | {k} | {v:.2f}× |" for k, v in cell["ratios"].items()]

@@ -9,11 +9,13 @@ call. Contexts are made once per batch size and reused, their memory cleared per
 
 ``lookup`` > 0: llama.cpp with prompt-lookup decoding, as llama-cpp-python ships it
 (``llama_cpp.llama_speculative.LlamaPromptLookupDecoding``, its defaults: the first earlier
-occurrence of the last 2 tokens, else of the last one, proposes up to ``lookup`` = 10 tokens),
+occurrence of the last 2 tokens, else of the last one, proposes up to ``lookup`` = 10 tokens;
+llama.cpp's own ``llama-lookup`` example keeps n-gram statistics instead, not bound here),
 each sequence's draft verified in the same ``llama_decode`` as the others' (ragged rows, one
 logits row each), greedy: the agreeing draft tokens and the one after them are kept, the
-rejected rows removed from the KV cache (``llama_memory_seq_rm``). The output is the plain
-path's as far as llama.cpp's rows agree across call shapes (the bench compares them).
+rejected rows removed from the KV cache (``llama_memory_seq_rm``; a cache per sequence). The
+output is the plain path's as far as llama.cpp's rows agree across call shapes (the bench
+compares them).
 Needs ``pip install 'kvserve[llamacpp]'`` (built without AMX on these machines:
 docs/benchmarks.md says how).
 """
@@ -59,7 +61,13 @@ class LlamaCppRunner(Runner):
         cp.n_ctx = n * batch
         cp.n_batch = cp.n_ubatch = N_BATCH
         cp.n_seq_max = batch
-        cp.kv_unified = True
+        # one cache for all sequences, as its server's parallel slots; with lookup one per
+        # sequence: in a unified cache the rejected rows' removal leaves holes that the other
+        # sequences' next rows fill, so a sequence's rows go out of position order and its sums
+        # round differently from its plain path's (a review found 91% of the tokens the same
+        # at batch 8 on 6M f32 where one cache per sequence kept all; its multi-token rows
+        # still round differently from one-token steps: bench/results/lookup-peers.md)
+        cp.kv_unified = not self.lookup
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.no_perf = True
         ctx = L.llama_init_from_model(self.model, cp)

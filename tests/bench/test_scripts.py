@@ -340,3 +340,23 @@ def test_lookup_peers_committed_table_is_its_json_rendered():
 
     res = committed_results("a test") / "lookup-peers.json"
     assert res.with_suffix(".md").read_text() == render(json.loads(res.read_text()))
+
+
+def test_shape_rounding_measures_on_the_tiny_artifact(tiny_artifact):
+    """bench/shape_rounding.py's three measurements on the tiny fp32 artifact: every way of
+    computing a row within the export's 1e-4, the first differing node found in the graph (or
+    none), a two-token step timed at batch 1 and 8, and the table rendered from them."""
+    from kvserve.artifact.loader import load_lm
+    from kvserve.bench.shape_rounding import agreement, first_difference, render, two_token_cost
+
+    lm = load_lm(str(tiny_artifact), provider="cpu", threads=1, attention=False)
+    agree = agreement(lm, trials=1)
+    assert len(agree) == 5 and all(0 <= v <= 1e-4 for v in agree.values())
+    first = first_difference(tiny_artifact / "model.onnx", lm.cfg.vocab_size)
+    assert first["difference"] >= 0 and (first["op"] is None) == (first["difference"] == 0)
+    cost = two_token_cost(lm, rounds=2)
+    assert set(cost) == {"1", "8"} and all(c["ratio"] > 0 for c in cost.values())
+    md = render({"size": "tiny", "rounds": 2, "cpu": "x", "onnxruntime": "y", "date": "d",
+                 "first_difference": first,
+                 "artifacts": {"fp32": {"agreement": agree, "two_token_cost": cost}}})
+    assert "| fp32 |" in md

@@ -401,7 +401,7 @@ def test_llamacpp_only_plan_pairs_the_same_cells():
         assert (spec["runner"], spec["artifact"]) == (name.split("_")[0], art)
 
 
-def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
+def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path, monkeypatch):
     """The tiny model's weights through the sdist's convert_hf_to_gguf.py (f32) and q8_0
     quantization; llama.cpp's greedy tokens equal kvserve's raw loop's at batch 1 and 3, with
     a prefill longer than one llama_decode chunk, and with prompt lookup its plain ones. Needs
@@ -436,24 +436,54 @@ def test_llamacpp_runner_makes_kvserves_greedy_tokens(artifact, tmp_path):
         # prompt lookup (bench/lookup_peers.py): prompts that repeat a pattern draft from it;
         # the kept tokens are the plain path's, the rejected rows leave the cache
         lookup = LlamaCppRunner(str(files["f32"]), 2, lookup=10)
+
+        def alone(prompts):  # each sequence's plain tokens in a batch of its own (the plain
+            # runner's one cache for 8 sequences rounds a near-tie of this model otherwise:
+            # sequence 6 of the forced drafts below, its last token)
+            return np.concatenate([ll.generate(p[None], 24) for p in prompts])
         try:
-            for B in (1, 2):
+            for B in (1, 2, 8):
                 pattern = prompts_for(B, 6, vocab, seed=3)
                 prompts = np.concatenate([pattern] * 4, axis=1)
-                plain = ll.generate(prompts, 24)
-                assert np.array_equal(lookup.generate(prompts, 24), plain)
+                assert np.array_equal(lookup.generate(prompts, 24), alone(prompts))
             assert lookup.drafted > 0 and 0 <= lookup.accepted <= lookup.drafted
+            # drafts that are the plain continuation, one token wrong in some: accepted runs,
+            # rejections at different places, sequences finishing at different steps
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            prompts = prompts_for(8, 12, vocab, seed=4)
+            plain = alone(prompts)
+
+            def drafts(ids, ngram, k):
+                s = next(b for b in range(8) if list(ids[:12]) == prompts[b].tolist())
+                g = len(ids) - 12  # generated so far
+                d = plain[s, g:g + k].copy()
+                if len(d) > 1 and (g + s) % 3:
+                    d[(g + s) % len(d)] = (d[(g + s) % len(d)] + 1) % vocab
+                return d[:k - s % 3] if k > s % 3 else d[:1]
+
+            monkeypatch.setattr(LlamaPromptLookupDecoding, "find_candidate_pred_tokens",
+                                staticmethod(drafts))
+            lookup.drafted = lookup.accepted = 0
+            assert np.array_equal(lookup.generate(prompts, 24), alone(prompts))
+            assert 0 < lookup.accepted < lookup.drafted
         finally:
             lookup.close()
         # bench/lookup_peers.py's cell: every runner timed each round, tokens compared with
         # their own runtime's plain path (kvserve's speedups keep them all: fp32)
-        from kvserve.bench.lookup_peers import BATCHES, ON, measure
+        monkeypatch.undo()
+        from kvserve.bench.lookup_peers import BATCHES, LOOKUP_RUN, ON, measure, render
 
         cell = measure(Path(artifact.dir), files["f32"], "fp32", rounds=2, new=8, threads=1)
         assert sorted(cell) == sorted(map(str, BATCHES))
         for res in cell.values():
             assert all(len(r["rounds_tok_s"]) == 2 for r in res["runners"].values())
             assert res["runners"][ON]["same_tokens"] == 1.0 and len(res["ratios"]) == 2
+            assert res["runners"][LOOKUP_RUN]["same_tokens"] == 1.0
+            assert res["cached_tokens"] == 0  # (new prompts each round)
+        md = render({"new_tokens": 8, "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
+                     "llama_cpp": "z", "date": "d", "cells": {"tiny fp32 / f32": cell}})
+        assert md.count("| tiny fp32 / f32 |") == 2 * 4 + 2 * 2  # runners and ratios, b1, b8
     finally:
         ll.close()
 
