@@ -27,6 +27,42 @@ def committed_results(what: str) -> Path:
     return RESULTS
 
 
+def add_results_options(ap, name: str) -> None:
+    """A bench script's ``--cache`` / ``--out`` / ``--update-committed`` / ``--render-only``
+    for its results ``name`` (a .json beside its rendered .md)."""
+    ap.add_argument("--cache", default=str(CACHE))
+    ap.add_argument("--out", default=None, help="results .json path (default: under --cache)")
+    ap.add_argument("--update-committed", action="store_true",
+                    help=f"write bench/results/{name} and its .md")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the .md of the results (--out, else the committed ones) only")
+
+
+def results_path(ap, args, name: str) -> Path:
+    """Where the results go (``add_results_options``): the committed ones with
+    ``--update-committed`` or a bare ``--render-only``, else ``--out`` or the cache's."""
+    if args.out and args.update_committed:
+        ap.error("--out and --update-committed exclude each other")
+    if args.update_committed or (args.render_only and not args.out):
+        return committed_results("--update-committed") / name
+    return Path(args.out) if args.out else Path(args.cache) / name
+
+
+def write_results(out: Path, data: dict | None, render) -> None:
+    """``data`` as ``out`` (.json) and its ``render`` as the .md beside it; ``data`` None: the
+    .md re-rendered from the .json there (``--render-only``)."""
+    import json
+
+    if data is None:
+        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(render(data))
+    print(render(data))
+    print(f"written {out} and {out.with_suffix('.md').name}")
+
+
 def loadavg() -> float:
     return os.getloadavg()[0]
 

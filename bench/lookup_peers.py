@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import platform
 import sys
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import CACHE, committed_results, cpu_model
+from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
 from kvserve.bench.runner_base import prompts_for
 
 PROMPT = 32
@@ -161,21 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--cache", default=str(CACHE))
-    ap.add_argument("--out", default=None, help="results .json path (default: under --cache)")
-    ap.add_argument("--update-committed", action="store_true",
-                    help="write bench/results/lookup-peers.json and .md")
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the .md of the results (--out, else the committed ones) only")
+    add_results_options(ap, "lookup-peers.json")
     args = ap.parse_args(argv)
-    if args.out and args.update_committed:
-        ap.error("--out and --update-committed exclude each other")
-    name = "lookup-peers.json"
-    out = Path(committed_results("--update-committed") / name
-               if args.update_committed or (args.render_only and not args.out)
-               else args.out or Path(args.cache) / name)
+    out = results_path(ap, args, "lookup-peers.json")
     if args.render_only:
-        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        write_results(out, None, render)
         return 0
     data = {"rounds": args.rounds, "new_tokens": args.new_tokens, "threads": args.threads,
             "lookup_tokens": LOOKUP, "cpu": cpu_model(), "onnxruntime": ort.__version__,
@@ -194,11 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             data["cells"][f"{size} {precision} / {quant}"] = measure(
                 art, ggufs[quant], precision, args.rounds, args.new_tokens, args.threads)
             print(f"{size} {precision}: done", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(data))
-    print(render(data))
-    print(f"written {out} and {out.with_suffix('.md').name}")
+    write_results(out, data, render)
     return 0
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import CACHE, committed_results, cpu_model
+from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
 
 PROMPT = 40
 ARTIFACTS = ("fp32", "int8-rows", "int8-b64", "int4-b32", "int4-b64")
@@ -185,21 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="bench-100m")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--cache", default=str(CACHE))
-    ap.add_argument("--out", default=None, help="results .json path (default: under --cache)")
-    ap.add_argument("--update-committed", action="store_true",
-                    help="write bench/results/shape-rounding.json and .md")
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the .md of the results (--out, else the committed ones) only")
+    add_results_options(ap, "shape-rounding.json")
     args = ap.parse_args(argv)
-    if args.out and args.update_committed:
-        ap.error("--out and --update-committed exclude each other")
-    name = "shape-rounding.json"
-    out = Path(committed_results("--update-committed") / name
-               if args.update_committed or (args.render_only and not args.out)
-               else args.out or Path(args.cache) / name)
+    out = results_path(ap, args, "shape-rounding.json")
     if args.render_only:
-        out.with_suffix(".md").write_text(render(json.loads(out.read_text())))
+        write_results(out, None, render)
         return 0
     built = build(args.size, Path(args.cache), genai=False, int8=True, int4=True)
     root = built.fp32.parent
@@ -222,11 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "agreement": agreement(lm),
                                     "two_token_cost": two_token_cost(lm, args.rounds)}
         print(f"{label}: done", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(render(data))
-    print(render(data))
-    print(f"written {out} and {out.with_suffix('.md').name}")
+    write_results(out, data, render)
     return 0
 
 

@@ -360,3 +360,25 @@ def test_shape_rounding_measures_on_the_tiny_artifact(tiny_artifact):
                  "first_difference": first,
                  "artifacts": {"fp32": {"agreement": agree, "two_token_cost": cost}}})
     assert "| fp32 |" in md
+
+
+def test_results_options_choose_where_results_go(tmp_path):
+    """The bench scripts' shared --out / --update-committed / --render-only: the cache's by
+    default, --out's, the committed ones when asked (a bare --render-only re-renders those),
+    and --out with --update-committed refused."""
+    import argparse
+
+    from kvserve.bench.common import RESULTS, add_results_options, results_path
+
+    ap = argparse.ArgumentParser()
+    add_results_options(ap, "x.json")
+
+    def where(*argv):
+        return results_path(ap, ap.parse_args(["--cache", str(tmp_path), *argv]), "x.json")
+
+    assert where() == tmp_path / "x.json"
+    assert where("--out", str(tmp_path / "o.json")) == tmp_path / "o.json"
+    assert where("--render-only", "--out", str(tmp_path / "o.json")) == tmp_path / "o.json"
+    assert where("--update-committed") == where("--render-only") == RESULTS / "x.json"
+    with pytest.raises(SystemExit):
+        where("--update-committed", "--out", str(tmp_path / "o.json"))
