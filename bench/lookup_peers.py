@@ -1,7 +1,7 @@
 """kvserve's speculation against llama.cpp with llama-cpp-python's prompt-lookup decoding (a
-script): the
-bench's llama.cpp cells compare plain decoding, where at batch 1 both read every weight once a
-token; here each side also runs its n-gram drafting, as its users would switch it on.
+script): the bench's llama.cpp cells compare plain decoding, where at batch 1 both read every
+weight once a token; here each side also runs its n-gram drafting, as its users would switch
+it on.
 
     python bench/lookup_peers.py [--sizes bench-6m bench-100m] [--rounds 7] [--new-tokens 128]
                                  [--update-committed | --out FILE.json] [--render-only]
@@ -109,11 +109,10 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
                            "acceptance": (a1 - a0) / (d1 - d0) if d1 > d0 else None,
                            "same_tokens": None if plain is None else
                            float((tokens[k] == tokens[plain]).mean())}
-            ratios = {f"{ON} / {peer}": float(np.median([a / b for a, b in zip(
-                tok_s[ON], tok_s[peer])])) for peer in (LLAMA, LOOKUP_RUN)}
-            if INEXACT in tok_s:
-                ratios[f"{INEXACT} / {LOOKUP_RUN}"] = float(np.median([a / b for a, b in zip(
-                    tok_s[INEXACT], tok_s[LOOKUP_RUN])]))
+            pairs = [(ON, LLAMA), (ON, LOOKUP_RUN)] + \
+                [(INEXACT, LOOKUP_RUN)] * (INEXACT in tok_s)
+            ratios = {f"{a} / {b}": float(np.median(np.divide(tok_s[a], tok_s[b])))
+                      for a, b in pairs}
             out[str(B)] = {"runners": cell, "ratios": ratios,
                            "cached_tokens": runners[ON].metrics.cached_tokens - cached0}
         return out
@@ -127,8 +126,8 @@ def render(data: dict) -> str:
            f"`bench/lookup_peers.py`: random {PROMPT}-token prompts, {data['new_tokens']} new "
            f"tokens, greedy; tok/s medians of {data['rounds']} alternating rounds (best in "
            f"brackets), new prompts each round; {data['cpu']}, {data['threads']} threads, "
-           f"onnxruntime "
-           f"{data['onnxruntime']}, llama-cpp-python {data['llama_cpp']}, {data['date']}. "
+           f"onnxruntime {data['onnxruntime']}, llama-cpp-python {data['llama_cpp']}, "
+           f"{data['date']}. "
            f"Acceptance: accepted / drafted tokens. Same tokens: share of the output equal to "
            f"its own runtime's plain decoding.", "",
            "| size, precision | batch | runner | tok/s | acceptance | same tokens |",

@@ -83,37 +83,39 @@ def first_difference(model_path: Path, vocab: int) -> dict:
     import onnx
     import onnxruntime as ort
 
+    from kvserve.artifact.spec import (INPUT_IDS, LOGITS_ROWS, QUERY_SEQLENS, SEQLENS_K,
+                                       TOTAL_SEQUENCE_LENGTH, FusedSpec)
+
+    spec = FusedSpec()
     m = onnx.load(str(model_path))
-    have = {o.name for o in m.graph.output}
+    have = {o.name for o in m.graph.output}  # (logits and the present rows)
     order = []
     for n in m.graph.node:
         for o in n.output:
-            if o and o not in have and not o.startswith("present"):
+            if o and o not in have:
                 m.graph.output.append(onnx.helper.make_empty_tensor_value_info(o))
                 order.append((n.op_type, n.name, o))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     s = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     ins = {i.name: i for i in s.get_inputs()}
-    layers = sum(1 for k in ins if k.startswith("past_key_values") and k.endswith(".key"))
-    kvh, hd = ins["past_key_values.0.key"].shape[1], ins["past_key_values.0.key"].shape[3]
+    caches = [(spec.past(i, kv), spec.present(i, kv)) for i in range(len(ins))
+              for kv in ("key", "value") if spec.past(i, kv) in ins]
+    _, kvh, _, hd = ins[caches[0][0]].shape
     names = [o.name for o in s.get_outputs()]
     g = np.random.default_rng(0)
 
     def run(ids, past_len, past):
         S = ids.shape[1]
-        feed = {"input_ids": ids, "seqlens_k": np.array([past_len + S - 1], np.int32),
-                "query_seqlens": np.array([S], np.int32),
-                "total_sequence_length": np.array(past_len + S, np.int32),
-                "logits_rows": np.arange(S, dtype=np.int64)[None]}
-        for i in range(layers):
-            feed[f"past_key_values.{i}.key"] = past[2 * i].copy()
-            feed[f"past_key_values.{i}.value"] = past[2 * i + 1].copy()
+        feed = {INPUT_IDS: ids, SEQLENS_K: np.array([past_len + S - 1], np.int32),
+                QUERY_SEQLENS: np.array([S], np.int32),
+                TOTAL_SEQUENCE_LENGTH: np.array(past_len + S, np.int32),
+                LOGITS_ROWS: np.arange(S, dtype=np.int64)[None]}
+        feed.update({p: rows.copy() for (p, _), rows in zip(caches, past)})
         out = dict(zip(names, s.run(None, feed)))
-        return out, [out[f"present.{i // 2}.{'value' if i % 2 else 'key'}"]
-                     for i in range(2 * layers)]
+        return out, [out[q] for _, q in caches]
 
-    zero = [np.zeros((1, kvh, 64, hd), np.float32) for _ in range(2 * layers)]
+    zero = [np.zeros((1, kvh, 64, hd), np.float32) for _ in caches]
     _, past = run(g.integers(2, vocab, (1, PROMPT)), 0, zero)
     t = g.integers(2, vocab, (1, 3))
     one, _ = run(t[:, :1], PROMPT, past)
