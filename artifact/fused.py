@@ -329,6 +329,9 @@ class FusedLM(ArtifactRunner):
         self._sessions: dict[bool, ort.InferenceSession] = {False: self._load("main")}
         self.provider = self._sessions[False].get_providers()[0]
         self._attention_graph = attention and "attention" in runtime["graphs"]
+        # a paired graph (``FusedSpec.paired``) writes one K/V row past each slot's new rows,
+        # and its total_sequence_length counts it
+        self.spare_rows = int(self._specs[False].paired)
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
         self._bound: dict[tuple, _Bound] = {}  # decode steps': (attention, n, generation)
@@ -394,8 +397,7 @@ class FusedLM(ArtifactRunner):
             # the graph's position tables)
             raise ValueError(f"a prefill row, padded to the longest, would pass the model's "
                              f"context of {self.cfg.max_seq_len} tokens (feed it alone)")
-        if top > kv.capacity:
-            kv.ensure_capacity(top)
+        kv.ensure_capacity(top + self.spare_rows)
         if last and not attention and self.last_rows:
             bound = self._prefill_binding(kv, lo, n, S)
         else:
@@ -404,7 +406,7 @@ class FusedLM(ArtifactRunner):
         bound.qlens[...] = qlens
         after = used + qlens  # (n,) each slot's rows after the call
         np.subtract(after, 1, out=bound.seqlens, casting="unsafe")
-        bound.total[...] = after.max()
+        bound.total[...] = after.max() + self.spare_rows
         if last and bound.rows is not None:
             np.subtract(qlens, 1, out=bound.rows[:, 0], casting="unsafe")
         self._call(bound)
@@ -461,14 +463,14 @@ class FusedLM(ArtifactRunner):
         longs = _longs(n)
         used = longs.unpack_from(kv.used)  # each slot's rows before the step
         top = max(used) + 1  # the longest slot's rows after it
-        if top > kv.capacity:
-            kv.ensure_capacity(top)  # (a new buffer generation: a new binding)
-            bound = None
+        if top + self.spare_rows > kv.capacity:
+            kv.ensure_capacity(top + self.spare_rows)  # (a new buffer generation: a new
+            bound = None  # binding)
         if bound is None:
             bound = self._step_binding(kv, n, attention)
         longs.pack_into(bound.ids, 0, *tokens)
         _ints(n).pack_into(bound.seqlens, 0, *used)  # the rows after the step, minus one
-        _INT.pack_into(bound.total, 0, top)
+        _INT.pack_into(bound.total, 0, top + self.spare_rows)
         self._call(bound)
         longs.pack_into(kv.used, 0, *[u + 1 for u in used])
         attn = None
@@ -501,7 +503,7 @@ class FusedLM(ArtifactRunner):
             raise ValueError(f"a verification row, padded to the longest, would pass the "
                              f"model's context of {self.cfg.max_seq_len} tokens (cap the "
                              f"drafts)")
-        kv.ensure_capacity(max(used) + S)
+        kv.ensure_capacity(max(used) + S + self.spare_rows)
         key = (n, S, kv.generation)
         bound = self._verify_bound.get(key)
         if bound is None:
@@ -518,7 +520,7 @@ class FusedLM(ArtifactRunner):
         ints = _ints(n)
         ints.pack_into(bound.qlens, 0, *lens)
         ints.pack_into(bound.seqlens, 0, *[a - 1 for a in after])
-        _INT.pack_into(bound.total, 0, top)
+        _INT.pack_into(bound.total, 0, top + self.spare_rows)
         self._call(bound)
         longs.pack_into(kv.used, 0, *after)
         return bound.logits

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .manifest import FORMAT_VERSION
-from .spec import FUSED_SMALL_INPUTS, POSITION_TABLES
+from .spec import FUSED_SMALL_INPUTS, POSITION_TABLES, ROPE_COS, ROPE_SIN
 
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_CONFIG_BYTES = 256 << 10
@@ -121,6 +121,8 @@ def _check_runtime(rt: Any, graphs: dict) -> None:
     host = rt.get("host_inputs", [])
     _need(isinstance(host, list) and len(host) <= 16 and all(isinstance(x, str) for x in host),
           "manifest.json: runtime.host_inputs must be a list of input names")
+    _need(isinstance(rt.get("paired_attention", False), bool),
+          "manifest.json: runtime.paired_attention must be true or false")
     rows = rt.get("logits_rows")  # absent in fused artifacts exported before it existed
     if rows is not None:
         main = next((g for g in graphs.values() if isinstance(g, dict)
@@ -250,16 +252,17 @@ def graph_dims(model) -> dict[str, int]:
     return out
 
 
-def position_rows(model) -> int | None:
+def position_rows(model, paired: bool = False) -> int | None:
     """The positions a graph can serve: the fewest rows of its per-position tables (RoPE's
     cos / sin, a learned or sinusoidal position table), None when it has none (its rows are
-    computed from the positions)."""
-    rows = [int(t.dims[0]) for t in model.graph.initializer
-            if t.name in POSITION_TABLES and t.dims]
+    computed from the positions). ``paired`` (``FusedSpec.paired``): the attention's extra
+    row takes RoPE's row one past the call's last position, so those tables serve one less."""
+    rows = [int(t.dims[0]) - (paired and t.name in (ROPE_COS, ROPE_SIN))
+            for t in model.graph.initializer if t.name in POSITION_TABLES and t.dims]
     return min(rows) if rows else None
 
 
-def check_config_against_graphs(cfg, graphs: dict[str, Any]) -> None:
+def check_config_against_graphs(cfg, graphs: dict[str, Any], paired: bool = False) -> None:
     """``graphs``: name -> onnx ModelProto (without external data). Every dimension a graph
     declares must be the config's, and its position tables must cover ``max_seq_len`` (a
     longer one, edited into config.json, failed inside onnxruntime at the first position
@@ -271,7 +274,7 @@ def check_config_against_graphs(cfg, graphs: dict[str, Any]) -> None:
         for key, value in got.items():
             _need(value == want[key], f"config.json does not match graph {name}: {key} "
                                       f"{want[key]} in config.json, {value} in the graph")
-        rows = position_rows(model)
+        rows = position_rows(model, paired)
         _need(rows is None or cfg.max_seq_len <= rows,
               f"config.json does not match graph {name}: max_seq_len {cfg.max_seq_len} in "
               f"config.json, position tables of {rows} rows in the graph")

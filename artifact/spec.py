@@ -92,6 +92,7 @@ INPUT_IDS = "input_ids"  # (B, S) int64, right-padded
 SEQLENS_K = "seqlens_k"  # (B,) int32: tokens in the cache after this call - 1
 QUERY_SEQLENS = "query_seqlens"  # (B,) int32: valid tokens of this call
 TOTAL_SEQUENCE_LENGTH = "total_sequence_length"  # () int32: max over the batch of seqlens_k + 1
+# (+ 1 in a paired graph, ``FusedSpec.paired``: its extra row)
 LOGITS_ROWS = "logits_rows"  # (B, R) int64: the positions of each row that get logits
 # tables with a row per position (initializers): the graph serves no position past their rows
 ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"  # (max_seq_len, D / 2): GroupQueryAttention's
@@ -112,7 +113,15 @@ class FusedSpec:
     variant (GroupQueryAttention's ``qk_output``: probabilities per layer). ``logits_rows``:
     the input (B, R) naming which of each row's S positions get logits (R of them, in that
     order): a prefill asks for its last row only, Score for all; None in artifacts exported
-    before it existed (their logits are (B, S, V), every position)."""
+    before it existed (their logits are (B, S, V), every position). ``paired``: each
+    GroupQueryAttention gets one more query row per row than the call feeds, one position
+    past the row's last (a shorter, right-padded row's first padding position; for the
+    longest rows a copy of their last; its K/V row lands past the slot's rows, never read),
+    so that every row takes the op's multi-token path and a token's row comes out the same,
+    bit for bit, from a one-token step, a verification or any prefill split (the op's
+    one-token path rounds differently; quantized activations magnify that to ~1e-2 of the
+    logits); the runtime keeps one spare KV row per slot and feeds ``total_sequence_length``
+    counting the extra row (a host input of the op, on CUDA too)."""
     attention: bool = False
     logits_rows: str | None = LOGITS_ROWS
     past_key: str = "past_key_values.%d.key"
@@ -120,6 +129,7 @@ class FusedSpec:
     present_key: str = "present.%d.key"
     present_value: str = "present.%d.value"
     attn_weights: str = "attn_weights.%d"
+    paired: bool = False
 
     @property
     def filename(self) -> str:
@@ -183,7 +193,7 @@ FUSED_HOST_INPUTS = (TOTAL_SEQUENCE_LENGTH,)
 
 
 def runtime_section(kind: str, cfg: ModelConfig, graphs: dict[str, str],
-                    kv_dtype: str = "float32") -> dict[str, Any]:
+                    kv_dtype: str = "float32", paired: bool = False) -> dict[str, Any]:
     """The manifest's ``runtime`` entry: what the runtime needs to drive the graphs."""
     spec = FusedSpec()
     if kind == FUSED:
@@ -198,6 +208,7 @@ def runtime_section(kind: str, cfg: ModelConfig, graphs: dict[str, str],
         layout = PRESENT_LAYOUT
     return {"kind": kind, "graphs": graphs, "names": names,
             **({"logits_rows": spec.logits_rows} if kind == FUSED else {}),
+            **({"paired_attention": True} if kind == FUSED and paired else {}),
             "host_inputs": list(FUSED_HOST_INPUTS) if kind == FUSED else [],
             "kv": {"layout": layout, "dtype": kv_dtype, "num_layers": cfg.n_layers,
                    "num_kv_heads": cfg.n_kv_heads, "head_size": cfg.head_dim},
@@ -209,4 +220,5 @@ def fused_spec_from(runtime: dict[str, Any], attention: bool) -> FusedSpec:
     n = runtime["names"]
     return FusedSpec(attention=attention, past_key=n["past_key"], past_value=n["past_value"],
                      present_key=n["present_key"], present_value=n["present_value"],
-                     attn_weights=n["attn_weights"], logits_rows=runtime.get("logits_rows"))
+                     attn_weights=n["attn_weights"], logits_rows=runtime.get("logits_rows"),
+                     paired=bool(runtime.get("paired_attention")))

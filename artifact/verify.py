@@ -102,7 +102,8 @@ def verify_artifacts(root: str | Path, check_graphs: bool = True,
         if check_graphs:
             _check_graph(root, path, name, g, files, models[name])
     try:  # before any buffer is sized from the config
-        schema.check_config_against_graphs(cfg, models)
+        schema.check_config_against_graphs(
+            cfg, models, paired=bool(manifest.get("runtime", {}).get("paired_attention")))
     except schema.SchemaError as e:
         raise VerifyError(str(e)) from None
     return manifest

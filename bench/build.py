@@ -196,11 +196,13 @@ BENCH_INT8_BLOCK = 64
 
 def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2,
                     int4_block: int | None = None, eval_text: Path | None = None, *,
-                    int8_block: int | None = None) -> Path:
+                    int8_block: int | None = None, paired: bool = False) -> Path:
     """``eval_text``: the text of the manifest's perplexity figures (default: the export's);
-    ``int8_block``: an int8 artifact in 8-bit blocks (None: kvserve's default, per-row)."""
+    ``int8_block``: an int8 artifact in 8-bit blocks (None: kvserve's default, per-row);
+    ``paired``: ``kvserve export --paired-attention``."""
     stamp = code_stamp() + (f":int4-block-{int4_block}" if int4_block else "") \
         + (f":int8-block-{int8_block}" if int8_block else "") \
+        + (":paired" if paired else "") \
         + (f":eval-{Path(eval_text).name}" if eval_text else "")
     if (out / "manifest.json").is_file():
         if (out.parent / f"{out.name}{STAMP}").is_file() and \
@@ -215,7 +217,7 @@ def build_artifacts(ckpt: Path, out: Path, precision: str, threads: int = 2,
     out = Path(export_artifacts(ckpt, out, precision=precision, attention=False,
                                 parity_steps=64, max_ppl_increase=10.0, progress=False,
                                 threads=threads, int4_block=int4_block,
-                                int8_block=int8_block, eval_text=eval_text))
+                                int8_block=int8_block, eval_text=eval_text, paired=paired))
     # beside the artifact, not in it: the manifest lists every file of the directory
     (out.parent / f"{out.name}{STAMP}").write_text(stamp)
     return out

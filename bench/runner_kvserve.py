@@ -104,8 +104,8 @@ class EngineRunner(Runner):
     """The real continuous-batching engine, in-process. ``prefix_cache_mb`` and
     ``speculative_tokens`` as ``kvserve serve``'s flags (0: off, the Engine's own default;
     ``engine_on`` in the plan runs the server's defaults); ``inexact_speedups`` as
-    ``--inexact-speedups`` (int8 / int4 artifacts: the prefix cache and speculation on there
-    too)."""
+    ``--inexact-speedups`` (unpaired int8 / int4 artifacts: the prefix cache and speculation
+    on there too)."""
     name = "engine"
     has_score = True
     has_stream = True

@@ -36,6 +36,15 @@ def add_arguments(parser) -> None:
                                           "batch 1, slower batched, logits move a little with "
                                           "the batch. Default: per-row int8 in standard ops, "
                                           "the same logits in any batch")
+    parser.add_argument("--paired-attention", action="store_true",
+                        help="feed each GroupQueryAttention one more query row per row, so "
+                             "every row takes its multi-token path and a token's logits are "
+                             "the same bit for bit from any call: the server then runs the "
+                             "prefix cache, speculation and constraint fast-forward exactly "
+                             "(on by default) on int8 (per row, or blocks up to 64) and int4 "
+                             "(blocks up to 32) artifacts, where they are otherwise off. "
+                             "Costs the op's multi-token path on every step, most at long "
+                             "contexts in large batches (docs/speed.md)")
     parser.add_argument("--portable", action="store_true",
                         help="standard ONNX ops only (prefill + decode graphs with the optimum "
                              "/ genai I/O names) for other runtimes, instead of the fused "
@@ -82,7 +91,8 @@ def main(args) -> int:
                                optimize=args.optimize,
                                overwrite=args.overwrite, threads=args.threads,
                                int4_block=args.int4_block_size,
-                               int8_block=args.int8_block_size)
+                               int8_block=args.int8_block_size,
+                               paired=args.paired_attention)
     except (ParityError, PrecisionError) as e:
         print(f"kvserve export: FAILED: {e}; no artifact written", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
-from kvserve.artifact.spec import POSITION_TABLE, ROPE_COS, ROPE_SIN, FusedSpec
+from kvserve.artifact.spec import (POSITION_TABLE, QUERY_SEQLENS, ROPE_COS, ROPE_SIN, SEQLENS_K,
+                                   TOTAL_SEQUENCE_LENGTH, FusedSpec)
 from kvserve.model.config import ModelConfig
 
 from .fused_ops import MS, Builder, ffn, positions, qk_norm, rope_cache, sinusoidal_table, softcap
@@ -24,6 +25,7 @@ class FusedBlocks:
         self.rms = cfg.norm == "rmsnorm"
         self.pre = cfg.norm_placement == "pre"
         self.rope: list[str] = []  # the cos/sin initializers, when RoPE
+        self._paired: list[str] = []  # the counters of a paired graph (``paired_counters``)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else \
             1.0 / float(np.sqrt(cfg.head_dim))
 
@@ -71,8 +73,9 @@ class FusedBlocks:
             x = b.one("Add", [x, b.one("Gather", [b.init(POSITION_TABLE, table),
                                                   positions(b)])])  # (B, S, C)
         if cfg.positions == "rope":
-            cos, sin = rope_cache(cfg.max_seq_len, cfg.head_dim, cfg.rope_base,
-                                  cfg.rope_scaling)
+            # (a paired graph's extra row sits one position past the call's last)
+            cos, sin = rope_cache(cfg.max_seq_len + int(self.spec.paired), cfg.head_dim,
+                                  cfg.rope_base, cfg.rope_scaling)
             self.rope = [b.init(ROPE_COS, cos), b.init(ROPE_SIN, sin)]
         return x
 
@@ -87,10 +90,16 @@ class FusedBlocks:
                           *self.norm_params(p + ".attn.k_norm"))
         layer_rope = self.rope if cfg.layer_rope(i) else []
         window = cfg.layer_window(i)
-        gqa_in = [qkv, "", "", spec.past(i, "key"), spec.past(i, "value"), "seqlens_k",
-                  "total_sequence_length", *(layer_rope or ["", ""]), "", "", "", "", "", "",
-                  "", "query_seqlens"]
-        outs = [f"{p}/attn", spec.present(i, "key"), spec.present(i, "value")]
+        seqlens, qlens, attn = SEQLENS_K, QUERY_SEQLENS, f"{p}/attn"
+        if spec.paired:  # one more query row per row (a right-padded row's first padding
+            # position; the longest rows' last one copied), counted (the runtime counts it in
+            # total_sequence_length: a host input, not computed on the device)
+            qkv = b.one("Pad", [qkv, b.i64("pair.pads", [0, 0, 0, 0, 1, 0])], mode="edge")
+            (seqlens, qlens), attn = self.paired_counters(), f"{p}/attn_paired"
+        gqa_in = [qkv, "", "", spec.past(i, "key"), spec.past(i, "value"), seqlens,
+                  TOTAL_SEQUENCE_LENGTH, *(layer_rope or ["", ""]), "", "", "", "", "", "", "",
+                  qlens]
+        outs = [attn, spec.present(i, "key"), spec.present(i, "value")]
         if spec.attention:
             outs.append(spec.attn(i))
         b.nodes.append(helper.make_node(
@@ -102,10 +111,23 @@ class FusedBlocks:
             local_window_size=-1 if window is None else window,
             softcap=float(cfg.attn_softcap or 0.0),
             **({"qk_output": 2} if spec.attention else {})))
+        if spec.paired:  # the extra row's output dropped
+            b.nodes.append(helper.make_node(
+                "Slice", [attn, b.i64("pair.first", [0]), b.i64("pair.last", [-1]),
+                          b.i64("const.axis1", [1])], [f"{p}/attn"], name=f"{p}/unpair"))
         a = self.linear(f"{p}/attn", p + ".attn.out")  # (B, S, C)
         if cfg.sandwich_norm:  # Gemma 2: a norm on the branch output, before the residual add
             a = self.norm(a, p + ".norm1_post")
         return a
+
+    def paired_counters(self) -> list[str]:
+        """``seqlens_k`` and ``query_seqlens`` counting the paired graph's extra query row
+        (built once, shared by every layer)."""
+        if not self._paired:
+            one = self.b.init("pair.one_i32", np.array(1, np.int32), keep_dtype=True)
+            self._paired = [self.b.one("Add", [name, one], name=f"pair.{name}")
+                            for name in (SEQLENS_K, QUERY_SEQLENS)]
+        return self._paired
 
     # --- one layer ------------------------------------------------------------------------------
     def layer(self, i: int, residual: str, delta: str | None) -> tuple[str, str | None]:

@@ -45,10 +45,12 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
                      eval_text: str | Path | None = None, max_ppl_increase: float = 0.10,
                      optimize: bool = False, overwrite: bool = False, progress: bool = True,
                      threads: int | None = None, int4_block: int | None = None,
-                     int8_block: int | None = None) -> Path:
+                     int8_block: int | None = None, paired: bool = False) -> Path:
     """``int4_block``: weights per block of an int4 export (None: ``precision.INT4_BLOCK``);
     ``int8_block``: an int8 export in 8-bit MatMulNBits blocks of that many weights (None:
-    per-row int8 in standard ops)."""
+    per-row int8 in standard ops); ``paired``: the fused graph's attention on one path for
+    every row (``FusedSpec.paired``: the prefix cache and speculation exact on quantized
+    artifacts, for a step's price)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     block = prec.block_size(precision, int4_block, int8_block)
@@ -65,7 +67,15 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         what = "--precision int4" if precision == "int4" else "--int8-block-size"
         raise ValueError(f"{what} needs the fused graph (MatMulNBits); this export is "
                          "portable (" + ("; ".join(why_portable) or "--portable") + ")")
-    specs = _specs(kind, attention)
+    if paired and kind == PORTABLE:
+        raise ValueError("paired attention needs the fused graph (GroupQueryAttention); this "
+                         "export is portable (" + ("; ".join(why_portable) or "--portable") + ")")
+    if paired and not prec.pairing_helps(precision, block):
+        log.warning("paired attention on %s in blocks of %s: the matmul of a single row takes "
+                    "another kernel there, so rows may still differ between calls (the "
+                    "server's startup check then keeps the speed features off)", precision,
+                    block)
+    specs = _specs(kind, attention, paired)
     transformed = precision != "fp32" or optimize
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -210,9 +220,10 @@ def _sampled_ids(model, cfg) -> list[int]:
     return [*prompt, *out]
 
 
-def _specs(kind: str, attention: bool) -> tuple:
+def _specs(kind: str, attention: bool, paired: bool = False) -> tuple:
     if kind == FUSED:
-        return (FusedSpec(), FusedSpec(attention=True)) if attention else (FusedSpec(),)
+        main = FusedSpec(paired=paired)
+        return (main, FusedSpec(attention=True, paired=paired)) if attention else (main,)
     return ALL_SPECS if attention else (PREFILL, DECODE)
 
 
@@ -276,7 +287,8 @@ def _runtime(cfg, kind: str, specs, kv_dtype: str) -> dict:
             graphs["attention"] = specs[1].filename
     else:
         graphs = {s.name: s.filename for s in specs}
-    return runtime_section(kind, cfg, graphs, kv_dtype)
+    return runtime_section(kind, cfg, graphs, kv_dtype,
+                           paired=kind == FUSED and specs[0].paired)
 
 
 def _graph_entries(cfg, specs, kv_dtype: str = "float32") -> dict:

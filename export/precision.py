@@ -41,6 +41,21 @@ BLOCKS = (16, 32, 64, 128, 256)  # what MatMulNBits takes (a power of two, >= 16
 BITS = {"int4": 4, "int8": 8}  # the precisions MatMulNBits can store
 
 
+# where pairing the fused graph's attention (``FusedSpec.paired``) makes every row alike:
+# wherever the matmuls compute a row alike at every batch size as well (measured: int8 per
+# row and in 8-bit blocks up to 64, int4 blocks up to 32; int4 blocks of 64 and 8-bit blocks
+# of 128 take another kernel for a single row, so pairing them only costs)
+PAIRED_MAX_BLOCK = {"int8": 64, "int4": 32}
+
+
+def pairing_helps(precision: str, block: int | None = None) -> bool:
+    """Whether a paired export of ``precision`` in MatMulNBits blocks of ``block`` (None: int8
+    per row) computes every row alike on the machines measured (fp32 and fp16: rows already
+    within ~1e-6 / unmeasured; the server's startup check decides in the end)."""
+    limit = PAIRED_MAX_BLOCK.get(precision)
+    return limit is None or block is None or block <= limit
+
+
 def block_size(precision: str, int4_block: int | None = None,
                int8_block: int | None = None) -> int | None:
     """The MatMulNBits block size an export's graphs take: int4 always (None:

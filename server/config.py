@@ -150,7 +150,8 @@ class ServerConfig:
                                                "schema's fixed keys, ...) as that row's draft, "
                                                "verified in one call instead of one step each "
                                                "(exact; independent of speculative_tokens)")
-    inexact_speedups: bool = _opt(False, "on int8, int4 and fp16 artifacts, where calls of "
+    inexact_speedups: bool = _opt(False, "on unpaired int8, int4 and fp16 artifacts (paired "
+                                         "ones run the features exactly), where calls of "
                                          "other shapes round a row up to ~1e-2 of the logits "
                                          "apart: the prefix cache, speculation and constraint "
                                          "fast-forward anyway, and a resume's delivered "

@@ -50,7 +50,7 @@ from .interfaces import EngineMetrics, NullMetrics, Runner, is_staged_sink
 from .model_runner import ModelRunner
 from .output import OutputProcessor
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
-from .rounding import shape_sensitive
+from .rounding import diagnostics_apart, shape_sensitive
 from .scheduler import Scheduler
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
@@ -105,11 +105,14 @@ class Engine:
         self.inexact = "" if inexact_speedups else sensitive
         if self.inexact and (prefix_cache_bytes or speculative_tokens or fast_forward):
             log.info("%s: the prefix cache, speculative decoding and constraint fast-forward "
-                     "are off (--inexact-speedups turns them on)", self.inexact)
+                     "are off (--inexact-speedups turns them on; an export with "
+                     "--paired-attention runs them exactly)", self.inexact)
         elif inexact_speedups and sensitive:
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
                      "speed features", sensitive)
-        self.sched.fixed_chunks = self.sched.attention_alone = bool(self.inexact)
+        self.sched.fixed_chunks = bool(self.inexact)
+        self.sched.attention_alone = diagnostics_apart(lm) and not (inexact_speedups and
+                                                                    sensitive)
         if getattr(lm, "device", "cpu") != "cpu":  # (scheduler.PAD_TOKENS: measured on CPU)
             self.sched.pad_tokens = None
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)

@@ -30,6 +30,7 @@ from .fast_forward import FastForward
 from .interfaces import EngineMetrics, Runner
 from .output import OutputProcessor
 from .prefix_cache import prefill_now
+from .rounding import diagnostics_apart
 from .sampler import masked, sample_row
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -50,6 +51,9 @@ class ModelRunner:
         self._metrics_of = metrics_of  # () -> EngineMetrics (the engine's, swapped at warm-up)
         self.longrope = longrope  # LongRopeSwitch (Phi-3) or None
         self.prefix = prefix  # server.prefix_cache.PrefixCache or None
+        # whether rows the attention-diagnostics graph made may be reused by plain requests:
+        # not where that graph rounds apart from the plain one (server.rounding)
+        self.attention_rows_reusable = not diagnostics_apart(lm)
         self.slot_rows = SlotRows() if prefix is not None else None  # (with the cache only)
         # free slots whose kept rows are still to be copied into the prefix cache: slot ->
         # (the KV cache, the tokens of its rows) (``cache_tokens``)
@@ -248,8 +252,7 @@ class ModelRunner:
         if self.prefix is None:
             return
         kv = self.sched.kv
-        rows = [(slot, None if seq.forced else seq.tokens(), kept)  # (a prompt tail not
-                for slot, seq, kept in leaving]  # fed: its rows are unknown)
+        rows = [(slot, self._reusable_tokens(seq), kept) for slot, seq, kept in leaving]
         now = [(slot, tokens) for slot, tokens, kept in rows if tokens is not None and not kept]
         if now:
             self.prefix.insert_many(kv, now)
@@ -257,6 +260,14 @@ class ModelRunner:
             self.slot_rows.left(kv, slot, tokens)
             if tokens is not None and kept:
                 self._unsaved[slot] = (kv, tokens)
+
+    def _reusable_tokens(self, seq: Sequence) -> list[int] | None:
+        """The tokens of a leaving sequence's rows, or None where other requests must not
+        reuse them: not all known (a prompt tail not fed), or made by the diagnostics graph
+        where it rounds apart from the plain one."""
+        if seq.forced or (seq.wants_attention and not self.attention_rows_reusable):
+            return None
+        return seq.tokens()
 
     @property
     def unsaved(self) -> bool:

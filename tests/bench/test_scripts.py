@@ -342,6 +342,37 @@ def test_lookup_peers_committed_table_is_its_json_rendered():
     assert res.with_suffix(".md").read_text() == render(json.loads(res.read_text()))
 
 
+def test_paired_attention_committed_table_is_its_json_rendered():
+    """bench/results/paired-attention.md is bench/paired_attention.py's rendering of its .json
+    (docs/speed.md quotes it)."""
+    from kvserve.bench.common import committed_results
+    from kvserve.bench.paired_attention import render
+
+    res = committed_results("a test") / "paired-attention.json"
+    assert res.with_suffix(".md").read_text() == render(json.loads(res.read_text()))
+
+
+def test_paired_attention_measures_steps_and_the_server(tiny_artifact):
+    """bench/paired_attention.py's two measurements on the tiny artifact (standing in for both
+    graphs): the probe's figures, a step ratio per batch and context, the three runners with
+    their tokens compared."""
+    from kvserve.bench import paired_attention as pa
+
+    res = pa.steps(tiny_artifact, tiny_artifact, threads=1, rounds=2, contexts=(16, 32))
+    assert set(res["rows_differ"]) == {"paired", "unpaired"}
+    assert set(res["steps"]) == {f"{b}/{c}" for b in pa.BATCHES for c in (16, 32)}
+    assert all(s["ratio"] > 0 for s in res["steps"].values())
+    res["server"] = pa.server(tiny_artifact, tiny_artifact, threads=1, rounds=2, new=8)
+    for B in map(str, pa.BATCHES):
+        cell = res["server"][B]["runners"]
+        assert set(cell) == {pa.OFF, pa.PAIRED, pa.UNPAIRED}
+        assert all(r["same_tokens"] == 1.0 for r in cell.values())  # (one artifact: exact)
+    md = pa.render({"rounds": 2, "new_tokens": 8, "threads": 1, "cpu": "x",
+                    "onnxruntime": "y", "date": "z", "cells": {"tiny": res}})
+    # the first step row, 3 runners and 2 ratios per batch
+    assert md.count("| tiny |") == 1 + 5 * len(pa.BATCHES)
+
+
 def test_shape_rounding_measures_on_the_tiny_artifact(tiny_artifact):
     """bench/shape_rounding.py's three measurements on the tiny fp32 artifact: every way of
     computing a row within the export's 1e-4, the first differing node found in the graph (or

@@ -1,10 +1,16 @@
-"""The speed features on artifacts whose rows depend on the shape of the call that computes
-them (``server.rounding``): int8 per row and int4 in blocks of 32, a d256 random model. By
-default the engine runs none of the features that change the calls (prefix cache,
-speculation, constraint fast-forward) there, and a resumed stream feeds its delivered tokens
-one step each: its continued logits are the uninterrupted ones. Why: rows made by decode steps
-and a prompt prefilled in two calls move later logits by more than 1e-3 / 1e-4 (found by
-reviews: with the cache, 2-10 of 40 greedy chat turns differed)."""
+"""The speed features on quantized artifacts (``server.rounding``): int8 per row and int4 in
+blocks of 32, a d256 random model.
+
+Exported paired (``kvserve export --paired-attention``: every row through
+GroupQueryAttention's multi-token path), a token's logits are the same bit for bit from any
+call, so the prefix cache, speculation and constraint fast-forward are on by default and
+exact: outputs and logits identical with each feature on and off.
+
+Exported as by default (unpaired), rows depend on the shape of the call that computes them: by
+default the engine runs none of the features that change the calls there, and a resumed stream
+feeds its delivered tokens one step each: its continued logits are the uninterrupted ones. Why:
+rows made by decode steps and a prompt prefilled in two calls move later logits by more than
+1e-3 / 1e-4 (found by reviews: with the cache, 2-10 of 40 greedy chat turns differed)."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +26,7 @@ QUANT = {"int8": {}, "int4": {"int4_block": 32}}
 
 
 def _export(root, precision: str, attention: bool = False, n_heads: int = 8,
-            n_kv_heads: int = 4, **blocks):
+            n_kv_heads: int = 4, paired: bool = False, **blocks):
     """The d256 model (the review's: seed 1235; its int4 export shows the split) exported."""
     torch = pytest.importorskip("torch")
     from export_matrix import BASE, CONFIGS, TEXTS
@@ -38,14 +44,38 @@ def _export(root, precision: str, attention: bool = False, n_heads: int = 8,
     ckpt = save_checkpoint(root / "ckpt", Transformer(cfg).eval(),
                            tokenizer_json=train_bpe(TEXTS, vocab_size=BASE["vocab_size"]).to_str())
     art = export_artifacts(ckpt, root / "a", precision=precision, attention=attention,
-                           progress=False, threads=1, **blocks)
+                           progress=False, threads=1, paired=paired, **blocks)
     return load_lm(art, provider="cpu", threads=1, attention=attention)
+
+
+_EXPORTS: dict = {}
+
+
+def _quant(factory, precision: str, paired: bool):
+    """int8 / int4 exported paired or not (the default), once per module."""
+    key = (precision, paired)
+    if key not in _EXPORTS:
+        root = factory.mktemp(f"{'paired' if paired else 'quant'}_{precision}")
+        _EXPORTS[key] = _export(root, precision, paired=paired, **QUANT[precision])
+    return _EXPORTS[key]
 
 
 @pytest.fixture(scope="module", params=sorted(QUANT))
 def qlm(request, tmp_path_factory):
-    return _export(tmp_path_factory.mktemp(f"quant_{request.param}"), request.param,
-                   **QUANT[request.param])
+    """Exported as by default, unpaired: rows depend on the call's shape."""
+    return _quant(tmp_path_factory, request.param, False)
+
+
+@pytest.fixture(scope="module", params=sorted(QUANT))
+def plm(request, tmp_path_factory):
+    """Exported with --paired-attention."""
+    return _quant(tmp_path_factory, request.param, True)
+
+
+@pytest.fixture(scope="module", params=[(q, p) for q in sorted(QUANT) for p in (False, True)],
+                ids=lambda k: f"{k[0]}-{'paired' if k[1] else 'unpaired'}")
+def any_lm(request, tmp_path_factory):
+    return _quant(tmp_path_factory, *request.param)
 
 
 def _engine(lm, prefix_mb: int = 0, max_batch: int = 1, chunk_rows: int = 512,
@@ -84,13 +114,14 @@ def test_no_feature_that_changes_the_calls_by_default(qlm):
 @pytest.mark.parametrize("sampling", [SamplingParams(),
                                       SamplingParams(temperature=0.8, top_p=0.9, seed=11)],
                          ids=["greedy", "seeded"])
-def test_a_resumed_stream_continues_with_the_same_logits(qlm, sampling):
+def test_a_resumed_stream_continues_with_the_same_logits(any_lm, sampling):
     """A stream resumed after k of its tokens (beside another request) feeds the delivered
     tokens one step each, as the uninterrupted call made their rows: the tail and the logits
     of its first new token are the uninterrupted ones (prefilled with the prompt, their rows
     moved those logits by ~1e-2 here)."""
     import dataclasses
 
+    qlm = any_lm
     V, g = qlm.cfg.vocab_size, np.random.default_rng(2)
     e = _engine(qlm, 8, max_batch=2)
     worst = 0.0
@@ -225,3 +256,129 @@ def test_a_prompt_prefilled_in_two_calls_is_not_one_prefill(qlm):
     print(f"{qlm.manifest['precision']}: a prompt in two calls vs one: {worst:.2e}")
     if qlm.manifest["precision"] == "int4":  # (int8: within 1e-6 here, not by construction)
         assert worst > 1e-4
+
+
+# --- paired graphs (--paired-attention): exact, the features on -----------------------------
+def test_a_paired_graph_computes_a_row_alike_in_every_call(plm):
+    """The startup probe finds every call's rows bit for bit alike, and so do longer runs:
+    P prefilled, G fed one token a step, N in one call, against one prefill of it all; a
+    prompt in two calls (cut at 16 or 32) against one (unpaired: beyond 1e-3 / 1e-4, below)."""
+    from kvserve.server.rounding import rows_differ, shape_sensitive
+
+    assert plm.manifest["runtime"]["paired_attention"] is True
+    assert rows_differ(plm) == 0.0 and shape_sensitive(plm) == ""
+    V, g = plm.cfg.vocab_size, np.random.default_rng(0)
+    for _ in range(4):
+        P, G, N = (g.integers(3, V, k).tolist() for k in (20, 24, 5))
+        kv = plm.new_cache(1)
+        plm.prefill(kv, 0, [P], last=True)
+        for tok in G:
+            plm.decode(kv, 1, [tok])
+        a = plm.extend(kv, 0, np.asarray(N, np.int64), last=True)[-1]
+        b = plm.prefill(plm.new_cache(1), 0, [P + G + N], last=True).logits[0][-1]
+        assert np.array_equal(a, b)
+    for L in (65, 129, 193):
+        for cut in (16, 32):
+            P = g.integers(3, V, L).tolist()
+            kv = plm.new_cache(1)
+            plm.prefill(kv, 0, [P[:cut]], last=True)
+            a = plm.extend(kv, 0, np.asarray(P[cut:], np.int64), last=True)[-1]
+            b = plm.prefill(plm.new_cache(1), 0, [P], last=True).logits[0][-1]
+            assert np.array_equal(a, b), (L, cut)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.3, seed=5)],
+                         ids=["greedy", "seeded"])
+def test_paired_outputs_identical_with_each_feature_on_and_off(plm, sampling):
+    """On by default on a paired artifact, and exact: the same tokens and the same logits, bit for bit, with
+    the prefix cache and speculation each on and off, over two rounds (the second meets a
+    warm cache); both engage: cache hits, and with the plain replies as lookup ids (OpenAI's
+    ``prediction``: this random model seldom repeats itself) most tokens come from accepted
+    drafts, verified in calls of up to 5 rows beside one-row steps."""
+    import dataclasses
+
+    V = plm.cfg.vocab_size
+    shared = [(7 * i) % (V - 10) + 5 for i in range(40)]
+    prompts = [[11, 12, 13, 14] * 6, shared + [21, 22, 23], shared + [31, 32],
+               [40, 41, 42, 43, 44, 40, 41, 42], list(range(50, 90))]
+    engines = {k: _engine(plm, k[0], max_batch=4, speculative_tokens=k[1])
+               for k in [(0, 0), (8, 0), (0, 4), (8, 4)]}
+    try:
+        default = _engine(plm, 8, speculative_tokens=4, fast_forward=True)
+        assert default.prefix is not None and default.spec is not None and \
+            default.fast_forward is not None
+        default.stop()
+        runs = {}
+        for k, e in engines.items():
+            runs[k] = []
+            for _ in range(2):
+                reqs = [_request(p, 24, sampling, return_logits=True) for p in prompts]
+                runs[k].append([_tokens(h) for h in e.submit_many(reqs)])
+        base = runs[(0, 0)][0]
+        for k, rounds in runs.items():
+            for r in rounds:
+                assert [[x.token_id for x in s] for s in r] == \
+                    [[x.token_id for x in s] for s in base], k
+                assert all(np.array_equal(x.logits, y.logits)
+                           for s, t in zip(r, base) for x, y in zip(s, t)), k
+        assert engines[(8, 0)].prefix.cached_blocks > 0
+        spec = engines[(8, 4)]
+        spec.spec.backoff.allow = lambda n: True  # the drafts' acceptance, not the machine's
+        spec.costs.relatives = lambda n, top: [1.0 + 0.1 * (S - 1) for S in range(1, top + 1)]
+        reqs = [dataclasses.replace(_request(p, 24, sampling, return_logits=True),
+                                    lookup_ids=tuple(x.token_id for x in out))
+                for p, out in zip(prompts, base)]
+        looked = [_tokens(h) for h in spec.submit_many(reqs)]
+        assert all(np.array_equal(x.logits, y.logits) and x.token_id == y.token_id
+                   for s, t in zip(looked, base) for x, y in zip(s, t))
+        assert spec.spec.accepted >= len(prompts) * 24 // 2, spec.spec.accepted
+    finally:
+        for e in engines.values():
+            e.stop()
+
+
+def test_a_paired_graph_whose_rows_differ_on_this_machine_runs_without_them(plm, monkeypatch):
+    """The startup check decides, not the manifest: where this machine's kernels computed a
+    paired graph's rows apart (int4 blocks of 64 here: its one-row matmul), the features stay
+    off, saying why."""
+    from kvserve.server import rounding
+
+    monkeypatch.setattr(rounding, "rows_differ", lambda lm: 3.9e-7)
+    assert "checked at startup" in rounding.shape_sensitive(plm)
+    e = _engine(plm, 8, speculative_tokens=8, fast_forward=True)
+    try:
+        assert e.prefix is None and e.spec is None and e.fast_forward is None
+    finally:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def paired_attn_lm(tmp_path_factory):
+    return _export(tmp_path_factory.mktemp("paired_attn"), "int4", attention=True, paired=True,
+                   int4_block=32)
+
+
+def test_rows_a_request_for_attention_made_are_not_reused(paired_attn_lm):
+    """The diagnostics graph rounds apart from the plain one (int4 here: K/V rows ~3e-3
+    apart): the rows of a request that asked for attention are neither cached nor kept in its
+    slot, so a plain request continuing its prompt and reply gets the logits a fresh engine
+    gives it, bit for bit (a review: 1.3e-2 apart when they were reused)."""
+    lm = paired_attn_lm
+    V, g = lm.cfg.vocab_size, np.random.default_rng(5)
+    prompt = g.integers(3, V, 40).tolist()
+    e = _engine(lm, 8, max_batch=2)
+    try:
+        diag = _tokens(e.submit(_request(prompt, 12, attention_layers=(0,),
+                                         attention_heads=(0,))))
+        follow = _request(prompt + [x.token_id for x in diag] + [7, 8, 9], 8,
+                          return_logits=True)
+        warm = _tokens(e.submit(follow))
+        assert e.prefix.cached_blocks > 0  # (the follow-up's own rows were cached)
+    finally:
+        e.stop()
+    fresh = _engine(lm, 0, max_batch=2)
+    try:
+        cold = _tokens(fresh.submit(follow))
+    finally:
+        fresh.stop()
+    assert all(np.array_equal(a.logits, b.logits) for a, b in zip(warm, cold))
