@@ -17,8 +17,11 @@ time:
   the first earlier match of the last 2 tokens, else of the last one; a KV cache per
   sequence);
 - kvserve's engine in-process: speculation off, the server's defaults (prefix cache and
-  speculation on; on int8 / int4 artifacts both stay off by default, exact: server.rounding),
-  and on int8 / int4 ``--inexact-speedups`` (speculation on there too).
+  speculation on; on unpaired int8 / int4 artifacts both stay off by default, exact:
+  server.rounding), and on int8 / int4 ``--inexact-speedups`` (speculation on there too);
+  on int8 / int4 also an export with ``--paired-attention`` (``PAIRED_BLOCKS``: int8 in the
+  same 8-bit blocks of 64, int4 in blocks of 32), speculation off and the server's defaults
+  (on there, exact).
 The runners take turns in alternating order in one process; a ratio is the median over rounds
 of the two runners' turns in the same round. 'same tokens' compares each output with its own
 runtime's plain decoding (llama.cpp with llama.cpp, kvserve with kvserve; the two runtimes'
@@ -33,13 +36,12 @@ import argparse
 import datetime as _dt
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
-from kvserve.bench.runner_base import prompts_for
+from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
 BATCHES = (1, 8)
@@ -49,10 +51,17 @@ PRECISIONS = {"bench-6m": [("fp32", "f32")],
 LLAMA, LOOKUP_RUN = "llama.cpp", "llama.cpp + prompt lookup"
 OFF, ON, INEXACT = "kvserve, speculation off", "kvserve, server defaults", \
     "kvserve, --inexact-speedups"
-PLAIN = {LOOKUP_RUN: LLAMA, ON: OFF, INEXACT: OFF}  # whose tokens a runner's should be
+PAIRED_OFF, PAIRED_ON = "kvserve paired, speculation off", "kvserve paired, server defaults"
+# whose tokens a runner's should be
+PLAIN = {LOOKUP_RUN: LLAMA, ON: OFF, INEXACT: OFF, PAIRED_ON: PAIRED_OFF}
+# the paired exports (``kvserve export --paired-attention``) beside the bench's int8 / int4:
+# the same 8-bit blocks of 64; int4 in blocks of 32 (the bench's 64, q4_0's size, computes a
+# single row with another kernel, which pairing cannot make alike)
+PAIRED_BLOCKS = {"int8": {"int8_block": 64}, "int4": {"int4_block": 32}}
 
 
-def _runners(artifact: Path, gguf: Path, precision: str, threads: int) -> dict:
+def _runners(artifact: Path, gguf: Path, precision: str, threads: int,
+             paired: Path | None = None) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
     from kvserve.bench.runner_llamacpp import LlamaCppRunner
     from kvserve.server.config import ServerConfig
@@ -67,6 +76,9 @@ def _runners(artifact: Path, gguf: Path, precision: str, threads: int) -> dict:
     if precision != "fp32":
         out[INEXACT] = EngineRunner(str(artifact), threads, max_batch=mb, inexact_speedups=True,
                                     **on)
+    if paired is not None:
+        out[PAIRED_OFF] = EngineRunner(str(paired), threads, max_batch=mb)
+        out[PAIRED_ON] = EngineRunner(str(paired), threads, max_batch=mb, **on)
     return out
 
 
@@ -77,8 +89,8 @@ def _counts(r) -> tuple[int, int]:
 
 
 def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
-            threads: int) -> dict:
-    runners = _runners(artifact, gguf, precision, threads)
+            threads: int, paired: Path | None = None) -> dict:
+    runners = _runners(artifact, gguf, precision, threads, paired)
     try:
         V = runners[OFF].cfg.vocab_size
         names = list(runners)
@@ -88,16 +100,8 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
                 r.generate(prompts_for(B, PROMPT, V, seed=10_000 + B), new)
             start = {k: _counts(r) for k, r in runners.items()}
             cached0 = runners[ON].metrics.cached_tokens
-            tok_s = {k: [] for k in names}
-            tokens = {k: [] for k in names}
-            for rnd in range(rounds):
-                prompts = prompts_for(B, PROMPT, V, seed=100 * B + rnd)
-                for k in (names if rnd % 2 == 0 else names[::-1]):
-                    time.sleep(0.3)
-                    t0 = time.perf_counter()
-                    tokens[k].append(runners[k].generate(prompts, new))
-                    tok_s[k].append(B * new / (time.perf_counter() - t0))
-            tokens = {k: np.stack(v) for k, v in tokens.items()}
+            tok_s, tokens = alternate(
+                runners, lambda rnd: prompts_for(B, PROMPT, V, seed=100 * B + rnd), rounds, new)
             cell = {}
             for k in names:
                 d0, a0 = start[k]
@@ -110,7 +114,8 @@ def measure(artifact: Path, gguf: Path, precision: str, rounds: int, new: int,
                            "same_tokens": None if plain is None else
                            float((tokens[k] == tokens[plain]).mean())}
             pairs = [(ON, LLAMA), (ON, LOOKUP_RUN)] + \
-                [(INEXACT, LOOKUP_RUN)] * (INEXACT in tok_s)
+                [(INEXACT, LOOKUP_RUN)] * (INEXACT in tok_s) + \
+                [(PAIRED_ON, LLAMA), (PAIRED_ON, LOOKUP_RUN)] * (PAIRED_ON in tok_s)
             ratios = {f"{a} / {b}": float(np.median(np.divide(tok_s[a], tok_s[b])))
                       for a, b in pairs}
             out[str(B)] = {"runners": cell, "ratios": ratios,
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
     import onnxruntime as ort
 
-    from kvserve.bench.build import build
+    from kvserve.bench.build import build, build_artifacts
     from kvserve.bench.gguf_convert import gguf_files
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -179,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
                            [q for _, q in PRECISIONS[size]])
         for precision, quant in PRECISIONS[size]:
             art = getattr(built, precision)
+            paired = None if precision not in PAIRED_BLOCKS else build_artifacts(
+                built.ckpt, built.root / f"{precision}-lookup-paired", precision, args.threads,
+                paired=True, **PAIRED_BLOCKS[precision])
             data["cells"][f"{size} {precision} / {quant}"] = measure(
-                art, ggufs[quant], precision, args.rounds, args.new_tokens, args.threads)
+                art, ggufs[quant], precision, args.rounds, args.new_tokens, args.threads,
+                paired)
             print(f"{size} {precision}: done", flush=True)
     write_results(out, data, render)
     return 0

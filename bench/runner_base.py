@@ -27,6 +27,22 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> np.ndarra
     return rng.integers(2, vocab, size=(batch, length), dtype=np.int64)
 
 
+def alternate(runners: dict, prompts_of, rounds: int, new: int) -> tuple[dict, dict]:
+    """Each round every runner generates ``new`` tokens for ``prompts_of(round)`` (B, P) in
+    turn, the order reversed every other round, after a 0.3 s pause each: (tok/s per round,
+    the tokens (rounds, B, new)) per runner."""
+    names = list(runners)
+    tok_s, tokens = {k: [] for k in names}, {k: [] for k in names}
+    for rnd in range(rounds):
+        prompts = prompts_of(rnd)
+        for k in (names if rnd % 2 == 0 else names[::-1]):
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            tokens[k].append(runners[k].generate(prompts, new))
+            tok_s[k].append(len(prompts) * new / (time.perf_counter() - t0))
+    return tok_s, {k: np.stack(v) for k, v in tokens.items()}
+
+
 class Runner:
     name = "?"
     has_steps = False
