@@ -329,8 +329,7 @@ class FusedLM(ArtifactRunner):
         self._sessions: dict[bool, ort.InferenceSession] = {False: self._load("main")}
         self.provider = self._sessions[False].get_providers()[0]
         self._attention_graph = attention and "attention" in runtime["graphs"]
-        # a paired graph (``FusedSpec.paired``) writes one K/V row past each slot's new rows,
-        # and its total_sequence_length counts it
+        # a paired graph's K/V row past each slot's new rows (``FusedSpec.paired``)
         self.spare_rows = int(self._specs[False].paired)
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
@@ -462,15 +461,15 @@ class FusedLM(ArtifactRunner):
         bound = self._bound.get((attention, n, kv.generation))
         longs = _longs(n)
         used = longs.unpack_from(kv.used)  # each slot's rows before the step
-        top = max(used) + 1  # the longest slot's rows after it
-        if top + self.spare_rows > kv.capacity:
-            kv.ensure_capacity(top + self.spare_rows)  # (a new buffer generation: a new
-            bound = None  # binding)
+        top = max(used) + 1 + self.spare_rows  # the longest slot's rows after it (and the
+        if top > kv.capacity:  # paired graph's spare one)
+            kv.ensure_capacity(top)  # (a new buffer generation: a new binding)
+            bound = None
         if bound is None:
             bound = self._step_binding(kv, n, attention)
         longs.pack_into(bound.ids, 0, *tokens)
         _ints(n).pack_into(bound.seqlens, 0, *used)  # the rows after the step, minus one
-        _INT.pack_into(bound.total, 0, top + self.spare_rows)
+        _INT.pack_into(bound.total, 0, top)
         self._call(bound)
         longs.pack_into(kv.used, 0, *[u + 1 for u in used])
         attn = None

@@ -63,13 +63,13 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     if why_portable:
         log.warning("exporting the portable graphs: the fused graph cannot express this model "
                     "(%s)", "; ".join(why_portable))
+    portable_because = f"this export is portable ({'; '.join(why_portable) or '--portable'})"
     if kind == PORTABLE and block is not None:
         what = "--precision int4" if precision == "int4" else "--int8-block-size"
-        raise ValueError(f"{what} needs the fused graph (MatMulNBits); this export is "
-                         "portable (" + ("; ".join(why_portable) or "--portable") + ")")
+        raise ValueError(f"{what} needs the fused graph (MatMulNBits); {portable_because}")
     if paired and kind == PORTABLE:
-        raise ValueError("paired attention needs the fused graph (GroupQueryAttention); this "
-                         "export is portable (" + ("; ".join(why_portable) or "--portable") + ")")
+        raise ValueError(f"paired attention needs the fused graph (GroupQueryAttention); "
+                         f"{portable_because}")
     if paired and not prec.pairing_helps(precision, block):
         log.warning("paired attention on %s in blocks of %s: the matmul of a single row takes "
                     "another kernel there, so rows may still differ between calls (the "

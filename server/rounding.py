@@ -15,15 +15,15 @@ a prompt's first 16 or 32 rows restored and the rest prefilled in one call, 8.3e
 
 The one-token path is GroupQueryAttention's (a call feeding a row one token rounds its
 attention differently from one feeding it several; the other ops compute a row alike in
-calls of any shape here, except the matmuls named below). A **paired** fused graph (``FusedSpec.paired``, ``kvserve export
---paired-attention``) feeds that op one more query row per row, so every row takes the
-multi-token path: a token's logits are then the same, bit for bit, from a one-token step, a
-verification, a prompt split anywhere or a restored prefix, wherever the matmuls compute a
-row alike at every batch size too (on this bench machine: int8 per row and in blocks of 32
-and 64, int4 in blocks of 16 and 32; not int4 in blocks of 64 or more, nor int8 in blocks of
-128, whose one-row matmul rounds apart: the 6M bench model's exports, 2026-12-04;
-bench/results/paired-attention.md for 100M). Which kernels a
-machine picks is its CPU's and onnxruntime's business, so the engine does not go by a table:
+calls of any shape here, except the matmuls named below). A **paired** fused graph
+(``FusedSpec.paired``, ``kvserve export --paired-attention``) feeds that op one more query row
+per row, so every row takes the multi-token path: a token's logits are then the same, bit for
+bit, from a one-token step, a verification, a prompt split anywhere or a restored prefix,
+wherever the matmuls compute a row alike at every batch size too (on this bench machine: int8
+per row and in blocks of 32 and 64, int4 in blocks of 16 and 32; not int4 in blocks of 64 or
+more, nor int8 in blocks of 128, whose one-row matmul rounds apart: the 6M bench model's
+exports, 2026-12-04; bench/results/paired-attention.md for 100M). Which kernels a machine
+picks is its CPU's and onnxruntime's business, so the engine does not go by a table:
 ``rows_differ`` computes the same rows through those calls once at startup, and the features
 are exact where they agree bit for bit.
 
@@ -43,10 +43,14 @@ log = logging.getLogger(__name__)
 EXACT_PRECISIONS = ("fp32",)
 
 
+def _manifest(lm) -> dict:
+    return getattr(lm, "manifest", None) or {}  # (a runner without one: taken as fp32)
+
+
 def shape_sensitive(lm) -> str:
     """Why ``lm``'s logits depend on the shape of the call that computes a row by more than
     1e-4 ("": they do not: fp32 graphs, or a runner without a manifest)."""
-    manifest = getattr(lm, "manifest", None) or {}
+    manifest = _manifest(lm)
     precision = manifest.get("precision", "fp32")
     if precision in EXACT_PRECISIONS:
         return ""
@@ -72,8 +76,7 @@ def diagnostics_apart(lm) -> bool:
     """Whether the attention-diagnostics graph (its GroupQueryAttention also returning the
     probabilities, another code path) moves a row's logits beyond 1e-4: quantized and fp16
     artifacts, paired or not (int4: 1.4e-2), so such requests run in batches of their own."""
-    manifest = getattr(lm, "manifest", None) or {}
-    return manifest.get("precision", "fp32") not in EXACT_PRECISIONS
+    return _manifest(lm).get("precision", "fp32") not in EXACT_PRECISIONS
 
 
 def rows_differ(lm, seed: int = 0) -> float:
@@ -82,7 +85,7 @@ def rows_differ(lm, seed: int = 0) -> float:
     token padded beside a row of three), by a prompt's prefill whole and in two calls, and by
     steps after a padded batch-3 prefill against one prefill of it all (up to 99 positions).
     0.0: they agree bit for bit. A few calls on caches of their own (~20 ms on the 6M bench
-    model, ~0.2 s on 100M)."""
+    model, ~0.4 s on 100M)."""
     V = lm.cfg.vocab_size
     if lm.cfg.max_seq_len < 16:
         raise ValueError(f"a context of {lm.cfg.max_seq_len} positions is too short to check")

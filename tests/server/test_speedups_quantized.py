@@ -223,19 +223,37 @@ def test_a_resumed_stream_with_attention_rows_continues_alike(attn_lm):
         e.stop()
 
 
+def _steps_then_a_call(lm, g) -> tuple[np.ndarray, np.ndarray]:
+    """P prefilled, G fed one token a step, then N in one call: the last logits, and those of
+    one prefill of all of it."""
+    V = lm.cfg.vocab_size
+    P, G, N = (g.integers(3, V, k).tolist() for k in (20, 24, 5))
+    kv = lm.new_cache(1)
+    lm.prefill(kv, 0, [P], last=True)
+    for tok in G:
+        lm.decode(kv, 1, [tok])
+    a = np.array(lm.extend(kv, 0, np.asarray(N, np.int64), last=True)[-1])
+    return a, np.array(lm.prefill(lm.new_cache(1), 0, [P + G + N], last=True).logits[0][-1])
+
+
+def _two_calls_then_one(lm, P: list[int], cut: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompt's first ``cut`` rows in one call and the rest in another (as after a cache
+    hit): its last logits, and those of one prefill of it."""
+    kv = lm.new_cache(1)
+    lm.prefill(kv, 0, [P[:cut]], last=True)
+    a = np.array(lm.extend(kv, 0, np.asarray(P[cut:], np.int64), last=True)[-1])
+    return a, np.array(lm.prefill(lm.new_cache(1), 0, [P], last=True).logits[0][-1])
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max()))
+
+
 def test_rows_of_decode_steps_are_not_a_prefills(qlm):
     """Why: P prefilled, G fed one token a step, then 5 more in one call, against one prefill
     of all of it: the last logits differ by more than 1e-3 of the largest (fp32: ~1e-6)."""
-    V, g, worst = qlm.cfg.vocab_size, np.random.default_rng(0), 0.0
-    for _ in range(10):
-        P, G, N = (g.integers(3, V, k).tolist() for k in (20, 24, 5))
-        kv = qlm.new_cache(1)
-        qlm.prefill(kv, 0, [P], last=True)
-        for tok in G:
-            qlm.decode(kv, 1, [tok])
-        a = np.array(qlm.extend(kv, 0, np.asarray(N, np.int64), last=True)[-1])
-        b = np.array(qlm.prefill(qlm.new_cache(1), 0, [P + G + N], last=True).logits[0][-1])
-        worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())))
+    g = np.random.default_rng(0)
+    worst = max(_rel(*_steps_then_a_call(qlm, g)) for _ in range(10))
     print(f"{qlm.manifest['precision']}: decode-made rows vs a prefill's: {worst:.2e}")
     assert worst > 1e-3
 
@@ -247,12 +265,8 @@ def test_a_prompt_prefilled_in_two_calls_is_not_one_prefill(qlm):
     V, g, worst = qlm.cfg.vocab_size, np.random.default_rng(1), 0.0
     for L in (65, 81, 129, 145, 193) * 8:
         for cut in (16, 32):
-            P = g.integers(3, V, L).tolist()
-            kv = qlm.new_cache(1)
-            qlm.prefill(kv, 0, [P[:cut]], last=True)
-            a = np.array(qlm.extend(kv, 0, np.asarray(P[cut:], np.int64), last=True)[-1])
-            b = np.array(qlm.prefill(qlm.new_cache(1), 0, [P], last=True).logits[0][-1])
-            worst = max(worst, float(np.abs(a - b).max()) / max(1.0, float(np.abs(b).max())))
+            worst = max(worst, _rel(*_two_calls_then_one(qlm, g.integers(3, V, L).tolist(),
+                                                         cut)))
     print(f"{qlm.manifest['precision']}: a prompt in two calls vs one: {worst:.2e}")
     if qlm.manifest["precision"] == "int4":  # (int8: within 1e-6 here, not by construction)
         assert worst > 1e-4
@@ -269,22 +283,11 @@ def test_a_paired_graph_computes_a_row_alike_in_every_call(plm):
     assert rows_differ(plm) == 0.0 and shape_sensitive(plm) == ""
     V, g = plm.cfg.vocab_size, np.random.default_rng(0)
     for _ in range(4):
-        P, G, N = (g.integers(3, V, k).tolist() for k in (20, 24, 5))
-        kv = plm.new_cache(1)
-        plm.prefill(kv, 0, [P], last=True)
-        for tok in G:
-            plm.decode(kv, 1, [tok])
-        a = plm.extend(kv, 0, np.asarray(N, np.int64), last=True)[-1]
-        b = plm.prefill(plm.new_cache(1), 0, [P + G + N], last=True).logits[0][-1]
-        assert np.array_equal(a, b)
+        assert np.array_equal(*_steps_then_a_call(plm, g))
     for L in (65, 129, 193):
         for cut in (16, 32):
-            P = g.integers(3, V, L).tolist()
-            kv = plm.new_cache(1)
-            plm.prefill(kv, 0, [P[:cut]], last=True)
-            a = plm.extend(kv, 0, np.asarray(P[cut:], np.int64), last=True)[-1]
-            b = plm.prefill(plm.new_cache(1), 0, [P], last=True).logits[0][-1]
-            assert np.array_equal(a, b), (L, cut)
+            assert np.array_equal(*_two_calls_then_one(plm, g.integers(3, V, L).tolist(), cut)), \
+                (L, cut)
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.3, seed=5)],
