@@ -58,23 +58,7 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     _check_args(ckpt, out, overwrite, eval_text, parity_steps, max_ppl_increase)
     model = load_model(ckpt)
     cfg = model.cfg
-    why_portable = [] if portable else fused.unsupported(cfg)
-    kind = PORTABLE if portable or why_portable else FUSED
-    if why_portable:
-        log.warning("exporting the portable graphs: the fused graph cannot express this model "
-                    "(%s)", "; ".join(why_portable))
-    portable_because = f"this export is portable ({'; '.join(why_portable) or '--portable'})"
-    if kind == PORTABLE and block is not None:
-        what = "--precision int4" if precision == "int4" else "--int8-block-size"
-        raise ValueError(f"{what} needs the fused graph (MatMulNBits); {portable_because}")
-    if paired and kind == PORTABLE:
-        raise ValueError(f"paired attention needs the fused graph (GroupQueryAttention); "
-                         f"{portable_because}")
-    if paired and not prec.pairing_helps(precision, block):
-        log.warning("paired attention on %s in blocks of %s: the matmul of a single row takes "
-                    "another kernel there, so rows may still differ between calls (the "
-                    "server's startup check then keeps the speed features off)", precision,
-                    block)
+    kind, why_portable = _graph_kind(cfg, portable, precision, block, paired)
     specs = _specs(kind, attention, paired)
     transformed = precision != "fp32" or optimize
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -109,19 +93,9 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         if transformed:
             label = precision + ("+optimized" if optimize else "")
             bar.set_description(f"parity {label}")
-            _graphs_manifest(tmp, cfg, kind, specs, kv_dtype=_kv_dtype(kind, precision))
-            lm = load_lm(tmp, provider="cpu", threads=threads, attention=attention)
-            report = measure(model, lm, prompts, parity_steps,
-                             attention=attention and precision == "fp32")
-            if precision == "fp32":
-                gate(report, FP32_TOLERANCE)
-            elif precision == "fp16":
-                gate(report, prec.FP16_TOLERANCE, require_tokens=False)
-            parity[label] = report.to_dict()
-            if eval_ids:
-                _perplexity_gate(ppl, label, prec.perplexity(lm, eval_ids, cfg.max_seq_len),
-                                 max_ppl_increase)
-            del lm
+            _gate_transformed(model, tmp, kind, specs, (precision, label),
+                              (prompts, parity_steps), (parity, ppl, eval_ids), threads,
+                              attention, max_ppl_increase)
             bar.update()
 
         bar.set_description("manifest")
@@ -147,6 +121,53 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
     finally:
         bar.close()
     return out
+
+
+def _graph_kind(cfg, portable: bool, precision: str, block: int | None, paired: bool
+                ) -> tuple[str, list[str]]:
+    """The graph to export (fused or portable) and why it is portable where the fused graph
+    cannot express the model; raises where the options need the fused graph."""
+    why_portable = [] if portable else fused.unsupported(cfg)
+    kind = PORTABLE if portable or why_portable else FUSED
+    if why_portable:
+        log.warning("exporting the portable graphs: the fused graph cannot express this model "
+                    "(%s)", "; ".join(why_portable))
+    portable_because = f"this export is portable ({'; '.join(why_portable) or '--portable'})"
+    if kind == PORTABLE and block is not None:
+        what = "--precision int4" if precision == "int4" else "--int8-block-size"
+        raise ValueError(f"{what} needs the fused graph (MatMulNBits); {portable_because}")
+    if paired and kind == PORTABLE:
+        raise ValueError(f"paired attention needs the fused graph (GroupQueryAttention); "
+                         f"{portable_because}")
+    if paired and not prec.pairing_helps(precision, block):
+        log.warning("paired attention on %s in blocks of %s: the matmul of a single row takes "
+                    "another kernel there, so rows may still differ between calls (the "
+                    "server's startup check then keeps the speed features off)", precision,
+                    block)
+    return kind, why_portable
+
+
+def _gate_transformed(model, tmp: Path, kind: str, specs, precision_label: tuple[str, str],
+                      runs: tuple, results: tuple, threads, attention: bool,
+                      max_ppl_increase: float) -> None:
+    """The parity gate (and perplexity gate) of the transformed graphs in ``tmp`` (another
+    precision, or optimized offline): their report joins ``results``' parity and perplexity
+    dicts under ``label``, as ``runs`` ((prompts, steps)) measured the fp32 graphs."""
+    (precision, label), (prompts, parity_steps) = precision_label, runs
+    parity, ppl, eval_ids = results
+    cfg = model.cfg
+    _graphs_manifest(tmp, cfg, kind, specs, kv_dtype=_kv_dtype(kind, precision))
+    lm = load_lm(tmp, provider="cpu", threads=threads, attention=attention)
+    report = measure(model, lm, prompts, parity_steps,
+                     attention=attention and precision == "fp32")
+    if precision == "fp32":
+        gate(report, FP32_TOLERANCE)
+    elif precision == "fp16":
+        gate(report, prec.FP16_TOLERANCE, require_tokens=False)
+    parity[label] = report.to_dict()
+    if eval_ids:
+        _perplexity_gate(ppl, label, prec.perplexity(lm, eval_ids, cfg.max_seq_len),
+                         max_ppl_increase)
 
 
 def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text, parity_steps: int,
