@@ -23,15 +23,13 @@ docs/speed.md quotes them).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
+from kvserve.bench.common import add_results_options, run_header, results_path, write_results
 
 SYSTEM_TOKENS = 1000
 NEW_TOKENS = 4
@@ -138,7 +136,6 @@ def _rows(data: dict, cell: str, ways: tuple[str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
 
     from kvserve.bench.build import build
 
@@ -153,11 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         write_results(out, None, render)
         return 0
-    data = {"requests": args.requests, "rounds": args.rounds, "threads": args.threads,
-            "cpu": cpu_model(), "onnxruntime": ort.__version__,
-            "python": platform.python_version(),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "sizes": {}}
+    data = run_header(requests=args.requests, rounds=args.rounds, threads=args.threads,
+                      sizes={})
     for size in args.sizes:
         art = build(size, Path(args.cache), genai=False, int8=False).fp32
         data["sizes"][size] = {

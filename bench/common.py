@@ -81,6 +81,17 @@ def machine() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()}"
 
 
+def run_header(**fields) -> dict:
+    """A bench script's results header: ``fields`` (its options) and where and when it ran
+    (the CPU, onnxruntime's and Python's versions, the UTC minute)."""
+    import datetime as dt
+    import importlib.metadata as md
+
+    return {**fields, "cpu": cpu_model(), "onnxruntime": md.version("onnxruntime"),
+            "python": platform.python_version(),
+            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -95,8 +106,8 @@ def versions() -> dict:
 
 def proc_memory(pid: int | str = "self") -> dict[str, int]:
     """VmRSS, VmHWM (peak) and RssAnon (its anonymous part: not file-backed) of a process, in
-    bytes, from ``/proc/PID/status`` (empty when unreadable). VmHWM, not ``ru_maxrss``: Linux carries that across fork+exec, so a child
-    would report its parent's peak."""
+    bytes, from ``/proc/PID/status`` (empty when unreadable). VmHWM, not ``ru_maxrss``: Linux
+    carries that across fork+exec, so a child would report its parent's peak."""
     out: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -33,14 +33,12 @@ docs/speed.md quotes them). Needs ``pip install 'kvserve[llamacpp]'``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import platform
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
+from kvserve.bench.common import add_results_options, run_header, results_path, write_results
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -154,7 +152,6 @@ def render(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import llama_cpp
-    import onnxruntime as ort
 
     from kvserve.bench.build import build, build_artifacts
     from kvserve.bench.gguf_convert import gguf_files
@@ -170,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         write_results(out, None, render)
         return 0
-    data = {"rounds": args.rounds, "new_tokens": args.new_tokens, "threads": args.threads,
-            "lookup_tokens": LOOKUP, "cpu": cpu_model(), "onnxruntime": ort.__version__,
-            "llama_cpp": llama_cpp.__version__, "python": platform.python_version(),
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cells": {}}
+    data = run_header(rounds=args.rounds, new_tokens=args.new_tokens, threads=args.threads,
+                      lookup_tokens=LOOKUP, llama_cpp=llama_cpp.__version__, cells={})
     cache = Path(args.cache)
     for size in args.sizes:
         quantized = size == "bench-100m"

@@ -22,14 +22,13 @@ docs/speed.md quotes them).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
+from kvserve.bench.common import add_results_options, run_header, results_path, write_results
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -156,7 +155,6 @@ def render(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -168,10 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         write_results(out, None, render)
         return 0
-    data = {"rounds": args.rounds, "new_tokens": args.new_tokens, "threads": args.threads,
-            "cpu": cpu_model(), "onnxruntime": ort.__version__,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "cells": {}}
+    data = run_header(rounds=args.rounds, new_tokens=args.new_tokens, threads=args.threads,
+                      cells={})
     arts = _artifacts(Path(args.cache), args.threads)
     for q, blocks in ARTIFACTS.items():
         label = q + "".join(f", blocks of {b}" for b in blocks.values())

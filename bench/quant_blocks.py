@@ -32,16 +32,14 @@ cache), whose perplexity is taken on held-out files: the fidelity figures that m
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import CACHE, committed_results, cpu_model
+from kvserve.bench.common import CACHE, committed_results, run_header
 
 NEW_TOKENS = 64
 HELD_OUT = 8  # held-out files of the trained model's perplexity text
@@ -52,9 +50,9 @@ ROWS = 0  # int8's "block" of kvserve's default: per-row activations, per-column
 
 def build(size: str, cache: Path, blocks: list[int], precision: str = "int4"
           ) -> dict[int, Path]:
-    """The size's artifacts of ``precision``, one per block size. ``trained``: the default trained model
-    (``bench/trained.py``), its perplexity taken on held-out files (neither its weights nor its
-    tokenizer saw them); the random-init sizes: on the export's default text."""
+    """The size's artifacts of ``precision``, one per block size. ``trained``: the default
+    trained model (``bench/trained.py``), its perplexity taken on held-out files (neither its
+    weights nor its tokenizer saw them); the random-init sizes: on the export's default text."""
     from kvserve.bench.build import build as build_size, build_artifacts
 
     eval_text = None
@@ -204,7 +202,6 @@ def render_all(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
 
     from kvserve.export.logs import quiet_exporter_logs
 
@@ -237,11 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.precision == "int4" and ROWS in blocks:
         ap.error("block 0 (per-row) is int8's only")
     arts = build(args.size, Path(args.cache), blocks, args.precision)
-    res = {"size": args.size, "precision": args.precision, "cpu": cpu_model(),
-           "threads": args.threads,
-           "onnxruntime": ort.__version__, "python": platform.python_version(),
-           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "rounds": args.rounds,
+    res = {**run_header(size=args.size, precision=args.precision, threads=args.threads,
+                        rounds=args.rounds),
            "artifacts": [{**fidelity(a), "batch_movement": batch_movement(a, args.threads)}
                          for a in arts.values()],
            "speed": speed(arts, args.batches, args.rounds, args.threads)}

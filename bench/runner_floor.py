@@ -30,7 +30,7 @@ def floor_graph(model_path: Path):
     product of the model at ``model_path`` with a constant weight, each with an input of its
     own (B, S, K) and its output (B, S, N) a graph output."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     src = onnx.load(str(model_path), load_external_data=True)
     g = src.graph

@@ -63,10 +63,10 @@ class LoopRunner(Runner):
 
 
 class RecordingMetrics:
-    """The engine's metrics hooks (server.interfaces.EngineMetrics), recording what the engine itself
-    measures: the gap between a sequence's tokens (inter-token latency as the engine sees it,
-    free of the consumer thread's wake-up) and the time inside the runner's ``decode`` per
-    step."""
+    """The engine's metrics hooks (server.interfaces.EngineMetrics), recording what the engine
+    itself measures: the gap between a sequence's tokens (inter-token latency as the engine
+    sees it, free of the consumer thread's wake-up) and the time inside the runner's
+    ``decode`` per step."""
 
     def __init__(self):
         self.gaps: list[float] = []

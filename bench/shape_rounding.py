@@ -21,7 +21,6 @@ docs/speed.md quotes them).
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, cpu_model, results_path, write_results
+from kvserve.bench.common import add_results_options, run_header, results_path, write_results
 
 PROMPT = 40
 ARTIFACTS = ("fp32", "int8-rows", "int8-b64", "int4-b32", "int4-b64")
@@ -179,7 +178,6 @@ def render(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import onnxruntime as ort
 
     from kvserve.artifact.loader import load_lm
     from kvserve.bench.build import build
@@ -197,9 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     root = built.fp32.parent
     dirs = {"fp32": built.fp32, "int8-rows": root / "int8-rows", "int8-b64": built.int8,
             "int4-b32": root / "int4-b32", "int4-b64": built.int4}
-    data = {"size": args.size, "rounds": args.rounds, "cpu": cpu_model(),
-            "onnxruntime": ort.__version__,
-            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    data = {**run_header(size=args.size, rounds=args.rounds),
             "first_difference": first_difference(
                 built.fp32 / "model.onnx",
                 json.loads((built.fp32 / "config.json").read_text())["vocab_size"]),

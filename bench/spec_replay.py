@@ -14,8 +14,9 @@ more than the policy changes one wants to compare).
 3. replay: the engine's ``Speculator`` (``server/speculation.py``: the n-gram lookups, the
    acceptance estimates, ``StepCosts``, the backoff) drafts for each sequence as in the
    engine, one at a time with the first two tables, ``--batch`` at a time (as the bench's
-   spec cell: the group waits for its slowest row) with the third; greedy verification keeps exactly the draft's prefix that agrees with the
-   continuation, plus one token; each step is charged its shape's measured cost.
+   spec cell: the group waits for its slowest row) with the third; greedy verification
+   keeps exactly the draft's prefix that agrees with the continuation, plus one token; each
+   step is charged its shape's measured cost.
 
 The figure is the plain steps' cost over the replay's: the speedup speculation gives where
 steps cost what the table says (at batch 1: the tokens per unit of cost).
