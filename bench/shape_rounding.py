@@ -173,7 +173,12 @@ def render(data: dict) -> str:
     f = data["first_difference"]
     out += ["", f"fp32, a call of 3 tokens against a one-token step, the first new token's "
                 f"row: the first node whose output differs is `{f['node']}` ({f['op']}), by "
-                f"{f['difference']:.2g}."]
+                f"{f['difference']:.2g}.",
+            "", "The two-token step columns priced, before it existed, a graph that takes "
+                "every row through the multi-token path; that graph is paired attention "
+                "(`kvserve export --paired-attention`), whose own price "
+                "`bench/paired_attention.py` measures "
+                "([paired-attention.md](paired-attention.md))."]
     return "\n".join(out) + "\n"
 
 
