@@ -33,8 +33,8 @@ def prefix_chat_tables(size: dict) -> list[str]:
         shared, tail = name.split("+")
         lines += ["", f"Shared prefix ({int(shared):,} shared tokens + {tail} of each "
                   f"request's own, batch 1): time to first token of a first request (nothing "
-                  f"cached) and of a second one sharing the prefix, ms (best turn); a new "
-                  f"shared prefix each repetition:", "",
+                  f"cached) and of a second one sharing the prefix, ms (each the best of its "
+                  f"turns); a new shared prefix each repetition:", "",
                   "| runner | first request | second request | prompt tokens cached |",
                   "|---|---|---|---|"]
         for r in pre:

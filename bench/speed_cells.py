@@ -145,13 +145,16 @@ def by_round(got: list[dict], field: str, rounds: int) -> list[float | None]:
 
 def best_turns(key: tuple, got: list[dict], rounds: int) -> tuple[str, str, dict]:
     """(group, name, entry): e.g. ("prefix", "1000+16", the best turn with ``turns_<field>``
-    lists by round). A spec cell whose turns made different tokens says ``varies``."""
+    lists by round; a prefix cell's first request the best of its own turns). A spec cell whose turns made different tokens says ``varies``."""
     op = key[0]
     field, pick = BEST[op]
     best = dict(pick(got, key=lambda t: t.get(field) or 0.0))
     best.pop("round", None)
     for f in BY_ROUND[op]:
         best[f"turns_{f}"] = by_round(got, f, rounds)
+    if op == "prefix":  # two requests timed apart: each its own best (a chat's sums stay one
+        # conversation's)
+        best["first_ms"] = min(t["first_ms"] for t in got)
     if op == "spec" and len({t.get("tokens_sha") for t in got}) > 1:
         best["tokens_sha"] = "varies"
     name = f"{key[1]}+{key[2]}" if op == "prefix" else str(key[1])
