@@ -37,11 +37,15 @@ serving finds its pages resident; on a device (CUDA) the pool is committed when 
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import numpy as np
 
 from .base import CAPACITY_CHUNK
+from .host_memory import host_memory
 from .providers import bound_run
+
+log = logging.getLogger(__name__)
 
 MAX_BLOCK_TOKENS = CAPACITY_CHUNK  # a block must divide the KV capacity chunk
 
@@ -282,28 +286,31 @@ class NumpyPrefixPool(_PoolBase):
         return self.k[layer][block].copy(), self.v[layer][block].copy()
 
 
-def _host_memory() -> int | None:
-    """This machine's memory in bytes (/proc/meminfo's MemTotal; None where unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f
-                        if line.startswith("MemTotal:")) << 10
-    except (OSError, StopIteration, ValueError):
-        return None
-
-
 def make_prefix_pool(lm, cap_bytes: int, block_tokens: int):
     """The pool for ``lm``'s kind with as many blocks as ``cap_bytes`` holds (None: not even
     one block fits, i.e. the cache is off). A pool in host memory (the CPU provider, the
-    portable runner) of the machine's memory or more raises ``MemoryError`` now: its pages are
-    committed as it fills, and the process would be killed then."""
+    portable runner) of the memory this process may use or more (the machine's, or its control
+    group's: a container's limit) raises ``MemoryError`` now: its pages are committed as it
+    fills, and the process would be killed then; one larger than the memory free now is
+    logged as a warning."""
     itemsize = lm.ops.dtype.itemsize if lm.kind == "fused" else 4
     n = int(cap_bytes) // block_bytes(lm.cfg, block_tokens, itemsize)
     if n < 1:
         return None
-    host = lm.kind != "fused" or lm.device == "cpu"
-    if host and (total := _host_memory()) is not None and cap_bytes >= total:
-        raise MemoryError(f"this machine has {total >> 20} MiB of memory")
+    if lm.kind != "fused" or lm.device == "cpu":
+        _check_host_memory(int(cap_bytes))
     if lm.kind == "fused":
         return FusedPrefixPool(lm, n, block_tokens)
     return NumpyPrefixPool(lm.cfg, n, block_tokens)
+
+
+def _check_host_memory(cap_bytes: int) -> None:
+    mem = host_memory()
+    if mem.limit is not None and cap_bytes >= mem.limit:
+        raise MemoryError(f"{mem.source} allows {mem.limit >> 20} MiB")
+    if mem.available is not None and cap_bytes > mem.available:
+        log.warning("the prefix cache may grow to %d MiB, more than the %d MiB free now (%s "
+                    "allows %s): it takes memory as it fills, so a busy server can run out; "
+                    "a lower --prefix-cache-mb avoids that", cap_bytes >> 20,
+                    mem.available >> 20, mem.source,
+                    f"{mem.limit >> 20} MiB" if mem.limit is not None else "an unknown amount")

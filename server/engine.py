@@ -162,8 +162,11 @@ class Engine:
                 ("" if self.lm.kind in ("fused", "portable")
                  else f"the {self.lm.kind} runner keeps no prefix pool")
             pool = None if why else make_prefix_pool(self.lm, prefix_bytes, BLOCK_TOKENS)
-            if pool is None:
-                log.info("prefix cache off: %s", why or "the cap holds no block")
+            if pool is None and why:
+                log.info("prefix cache off: %s", why)
+            elif pool is None:
+                log.warning("prefix cache off: %d bytes (--prefix-cache-mb) hold no block of "
+                            "%d tokens", prefix_bytes, BLOCK_TOKENS)
             else:
                 prefix = PrefixCache(pool)
                 log.info("prefix cache: %d blocks of %d tokens, %.1f MiB", pool.n_blocks,
