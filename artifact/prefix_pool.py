@@ -92,9 +92,9 @@ class _PoolBase:
         for slot, j in blocks:
             if not 0 <= slot < len(kv.used) or j < 0:
                 raise ValueError(f"no block {j} of slot {slot}")
-            if (j + 1) * self.block_tokens > kv.used[slot]:
-                raise ValueError(f"slot {slot} has {kv.used[slot]} rows: block {j} is not "
-                                 "filled")
+            if j * self.block_tokens >= kv.used[slot]:  # (a block partly filled is saved
+                # whole: the cache's index says how many of its rows count)
+                raise ValueError(f"slot {slot} has {kv.used[slot]} rows: block {j} holds none")
 
     def _check_load(self, kv, slot: int) -> None:
         if kv.used[slot] != 0:
@@ -166,7 +166,8 @@ class FusedPrefixPool(_PoolBase):
 
     def save(self, kv, blocks: list[tuple[int, int]], pool_blocks: list[int]) -> None:
         """Copy the row blocks ``blocks`` ((slot, j): rows [j*bt, (j+1)*bt) of that slot, any
-        slots) into the pool's blocks ``pool_blocks``: one onnxruntime run."""
+        slots; the slot's ``used`` may end inside the block) into the pool's blocks
+        ``pool_blocks``: one onnxruntime run."""
         self._check_save(kv, blocks, pool_blocks)
         if not blocks:
             return

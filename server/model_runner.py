@@ -224,7 +224,7 @@ class ModelRunner:
             else:
                 self._take(kv, [slot])
                 if n:
-                    self.prefix.restore(kv, slot, blocks)
+                    self.prefix.restore(kv, slot, blocks, n)
         finally:
             self.prefix.release(blocks)
         seq.cached_tokens = min(n, len(seq.req.prompt_ids))  # (a resume: delivered ones too)

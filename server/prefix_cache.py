@@ -7,13 +7,16 @@ KV rows (rows depend on the prefix only; ``prefix_cache_unsupported_reason`` nam
 for which that is false). Each entry also keeps its tokens, compared on a hit: a hash collision
 can cost a miss, never a wrong row.
 
-- ``match(tokens)``: the longest cached prefix in whole blocks, never the whole prompt (at
-  least one token is left to prefill, so there are logits to sample from); the blocks it
-  returns are referenced until ``release``.
-- ``restore(kv, slot, blocks)``: their rows into an empty slot (one device copy).
+- ``match(tokens)``: the longest cached prefix, never the whole prompt (at least one token is
+  left to prefill, so there are logits to sample from): whole blocks along the chain, then the
+  first rows of one more block, a cached block after the last one matched whose first tokens
+  are the prompt's next ones (where two prompts part inside a block, or a block a sequence
+  left unfinished); the blocks it returns are referenced until ``release``.
+- ``restore(kv, slot, blocks, rows)``: their first ``rows`` rows into an empty slot (one device
+  copy).
 - ``insert(kv, slot, tokens)``: after a prefill (or when a sequence ends, its generated
-  tokens too), the slot's full blocks that are not cached yet are copied into the pool (one
-  device copy).
+  tokens too), the slot's blocks that are not cached yet, the unfinished last one too, are
+  copied into the pool (one device copy).
 - Eviction: least recently used blocks with no references, when a new block needs room. A
   released chain enters the LRU order tail first, so a chain is evicted from its end and its
   first blocks (the most shared: system prompts) last.
@@ -24,11 +27,16 @@ can cost a miss, never a wrong row.
   model, in the live engine: ~10 ms into never-written blocks, 1.0-1.4 ms into written ones,
   while every sequence of the batch waits).
 
-Why 16 tokens a block (vLLM's default too): a prefix is reused only in whole blocks, so a
-request loses up to block_tokens - 1 cached tokens (a chat turn's unfinished block); smaller
-blocks cost more Python per token (one hash and one dict entry per block: ~1 us, so ~60 us to
-match 1,000 tokens) and more per-block overhead in the copies' index arrays. 16 keeps both
-small next to prefilling the tokens it saves.
+Why 16 tokens a block (vLLM's default too): smaller blocks cost more Python per token (one
+hash and one dict entry per block: ~1 us, so ~60 us to match 1,000 tokens) and more per-block
+overhead in the copies' index arrays; larger ones waste more of the pool on unfinished blocks
+(a block holds its rows whether 1 or 16 of them are filled). 16 keeps both small next to
+prefilling the tokens it saves. A prefix is reused to the token, not only in whole blocks
+(vLLM's is; SGLang's radix cache reuses to the token): the rows of a block's first tokens
+depend on those tokens and the ones before them only, so a block whose first m tokens are the
+prompt's next m serves m rows (the load copies the whole block; the slot's ``used`` counts m,
+and the prefill writes over the rest). Without it a request lost up to 15 cached tokens: a
+chat turn's unfinished block, or the block where a prompt parts from a cached one.
 
 Not thread-safe: the engine's scheduler thread owns it.
 """
@@ -95,8 +103,14 @@ def prefill_now(prompts: list, cached: list[int], block_tokens: int = BLOCK_TOKE
 @dataclass
 class _Block:
     key: bytes
-    tokens: bytes  # the block's ids as int64 bytes (compared on a hit)
+    tokens: bytes  # the block's ids as int64 bytes (compared on a hit; fewer than
+    # block_tokens of them: a block a sequence left unfinished)
+    parent: bytes = ROOT  # the key of the block before it
     refs: int = 0
+
+    @property
+    def sibling_key(self) -> tuple[bytes, bytes]:
+        return self.parent, self.tokens[:8]  # (where it hangs: its parent and first token)
 
 
 class PrefixCache:
@@ -108,9 +122,14 @@ class PrefixCache:
         self.block_tokens = pool.block_tokens
         self._by_key: dict[bytes, int] = {}  # key -> block id
         self._blocks: dict[int, _Block] = {}  # block id -> entry (cached blocks)
+        # (parent key, first token's bytes) -> the cached blocks there (``_partial``)
+        self._siblings: dict[tuple[bytes, bytes], set[int]] = {}
         self._free: list[int] = list(range(pool.n_blocks - 1, -1, -1))  # never used yet
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks
         self.evictions = 0
+        # False: whole blocks only, matched and cached (vLLM's way; the bench's comparison,
+        # bench/prefix_tokens.py)
+        self.to_the_token = True
         self._warm: set[int] = set()  # free blocks already written (resident): ``warm``
         self._warmed = False  # every block ``warm`` would write is written (until a take)
         lazy = getattr(pool, "lazy", False)
@@ -119,32 +138,39 @@ class PrefixCache:
 
     # --- what the engine calls ----------------------------------------------------------------
     def match(self, tokens) -> tuple[list[int], int]:
-        """The longest cached prefix of ``tokens`` in whole blocks, leaving at least one token:
-        (block ids, tokens covered). The blocks are referenced (never evicted) until
+        """The longest cached prefix of ``tokens``, leaving at least one token: (block ids,
+        tokens covered; the last block's first rows only where that is not a multiple of
+        ``block_tokens``). The blocks are referenced (never evicted) until
         ``release(blocks)``."""
-        blocks = self._matched(tokens)
+        blocks, covered = self._matched(tokens)
         for bid in blocks:
             self._acquire(bid)
-        return blocks, len(blocks) * self.block_tokens
+        return blocks, covered
 
     def cached_tokens(self, tokens) -> int:
         """The tokens ``match`` would cover now (no reference taken)."""
-        return len(self._matched(tokens)) * self.block_tokens
+        return self._matched(tokens)[1]
 
     def has_prefix(self, tokens) -> bool:
         """Whether ``match`` would find at least one block (the first block's hash only; no
         reference taken)."""
         if (len(tokens) - 1) // self.block_tokens < 1:
             return False
-        key, chunk = next(iter(self._chain(tokens, 1)))
+        key, chunk = next(iter(self._chain(tokens, self.block_tokens)))
         bid = self._by_key.get(key)
         return bid is not None and self._blocks[bid].tokens == chunk
 
-    def restore(self, kv, slot: int, blocks: list[int]) -> int:
-        """The blocks' rows into the empty ``slot`` (its ``used`` becomes their tokens); the
-        rest of the prompt is then prefilled after them. Returns the rows restored."""
+    def restore(self, kv, slot: int, blocks: list[int], rows: int) -> int:
+        """The blocks' first ``rows`` rows (``match``'s count: the last block may count
+        fewer than its size) into the empty ``slot`` (its ``used`` becomes ``rows``); the rest
+        of the prompt is then prefilled after them. Returns the rows restored."""
+        whole = len(blocks) * self.block_tokens
+        if not whole - self.block_tokens < rows <= whole:
+            raise ValueError(f"{rows} rows from {len(blocks)} blocks")
         self.pool.load(kv, slot, blocks)
-        return len(blocks) * self.block_tokens
+        if rows < whole:
+            kv.truncate(slot, rows)  # (the last block's other rows: written over next)
+        return rows
 
     def release(self, blocks: list[int]) -> None:
         """Drop the references ``match`` took (after ``restore``, or if the request is
@@ -174,8 +200,10 @@ class PrefixCache:
         pool_blocks: list[int] = []
         try:
             for slot, tokens in items:
-                full = min(len(tokens), int(kv.used[slot])) // self.block_tokens
-                for j, (key, chunk) in enumerate(self._chain(tokens, full)):
+                rows = min(len(tokens), int(kv.used[slot]))
+                parent = ROOT
+                for j, (key, chunk) in enumerate(self._chain(tokens, rows,
+                                                             partial=self.to_the_token)):
                     bid = self._by_key.get(key)
                     if bid is not None and self._blocks[bid].tokens != chunk:
                         break  # a hash collision: keep the cached block, stop here
@@ -183,12 +211,12 @@ class PrefixCache:
                         bid = self._take()
                         if bid is None:
                             break  # every block is in use
-                        self._blocks[bid] = _Block(key, chunk)
-                        self._by_key[key] = bid
+                        self._add(bid, _Block(key, chunk, parent))
                         blocks.append((slot, j))
                         pool_blocks.append(bid)
                     self._acquire(bid)
                     chain.append(bid)
+                    parent = key
             self.pool.save(kv, blocks, pool_blocks)
         except BaseException:
             new = set(pool_blocks)
@@ -234,38 +262,89 @@ class PrefixCache:
 
     def check(self) -> None:
         """Internal consistency (tests): every block is free, cached-unreferenced (in the LRU
-        order) or referenced, exactly once."""
+        order) or referenced, exactly once, and listed under its parent and first token."""
         assert len(self._by_key) == len(self._blocks) <= self.pool.n_blocks
         assert set(self._lru) == {i for i, b in self._blocks.items() if b.refs == 0}
         assert not set(self._free) & set(self._blocks)
         assert len(self._free) + len(self._blocks) == self.pool.n_blocks
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
+        listed = [(k, i) for k, ids in self._siblings.items() for i in ids]
+        assert all(ids for ids in self._siblings.values())
+        assert sorted(listed) == sorted((b.sibling_key, i) for i, b in self._blocks.items())
 
     # --- internals ---------------------------------------------------------------------------
-    def _matched(self, tokens) -> list[int]:
+    def _matched(self, tokens) -> tuple[list[int], int]:
+        """(blocks, tokens covered) of ``match``, no reference taken."""
+        bt, limit = self.block_tokens, len(tokens) - 1  # (one token is left to compute)
         blocks: list[int] = []
-        for key, chunk in self._chain(tokens, (len(tokens) - 1) // self.block_tokens):
+        parent = ROOT
+        for key, chunk in self._chain(tokens, limit // bt * bt):
             bid = self._by_key.get(key)
             if bid is None or self._blocks[bid].tokens != chunk:
                 break
             blocks.append(bid)
-        return blocks
+            parent = key
+        covered = len(blocks) * bt
+        if not self.to_the_token:
+            return blocks, covered
+        bid, m = self._partial(parent, tokens[covered:min(covered + bt, limit)])
+        if m:
+            blocks.append(bid)
+        return blocks, covered + m
 
-    def _chain(self, tokens, n_blocks: int):
-        """(key, token bytes) of the first ``n_blocks`` blocks of ``tokens``, lazily (a
+    def _partial(self, parent: bytes, ids) -> tuple[int | None, int]:
+        """The cached block after ``parent`` whose first tokens are most of ``ids`` (fewer
+        than a block), and how many: (None, 0) where none begins with ids[0]."""
+        if not len(ids):
+            return None, 0
+        want = array.array("q", ids).tobytes()
+        best, most = None, 0
+        for bid in self._siblings.get((parent, want[:8]), ()):
+            have = self._blocks[bid].tokens
+            n = min(len(have), len(want)) // 8
+            m = n if have[:n * 8] == want[:n * 8] else next(
+                i for i in range(n) if have[i * 8:i * 8 + 8] != want[i * 8:i * 8 + 8])
+            if m > most:
+                best, most = bid, m
+        return best, most
+
+    def _chain(self, tokens, n_tokens: int, partial: bool = False):
+        """(key, token bytes) of the blocks of ``tokens``' first ``n_tokens``, lazily (a
         lookup stops at the first miss): one conversion of the ids to bytes, then one
-        blake2b per block over a slice of them."""
-        if n_blocks <= 0:
+        blake2b per block over a slice of them; the last block shorter than the others
+        with ``partial``, else only whole blocks."""
+        bt = self.block_tokens
+        n_tokens = n_tokens if partial else n_tokens // bt * bt
+        if n_tokens <= 0:
             return
-        step = self.block_tokens * 8
-        data = array.array("q", tokens[:n_blocks * self.block_tokens]).tobytes()
+        step = bt * 8
+        data = array.array("q", tokens[:n_tokens]).tobytes()
         key = ROOT
-        for j in range(n_blocks):
+        for j in range(-(-n_tokens // bt)):
             chunk = data[j * step:(j + 1) * step]
             h = hashlib.blake2b(key, digest_size=16)
             h.update(chunk)
             key = h.digest()
             yield key, chunk
+
+    def _add(self, bid: int, block: _Block) -> None:
+        """A new cached block; unreferenced unfinished blocks beside it whose tokens begin
+        its own are dropped (it serves every prefix they did)."""
+        for other in [b for b in self._siblings.get(block.sibling_key, ())
+                      if self._blocks[b].refs == 0
+                      and len(self._blocks[b].tokens) < len(block.tokens)
+                      and block.tokens.startswith(self._blocks[b].tokens)]:
+            self._forget(other)
+        self._blocks[bid] = block
+        self._by_key[block.key] = bid
+        self._siblings.setdefault(block.sibling_key, set()).add(bid)
+
+    def _unlist(self, block: _Block, bid: int) -> None:
+        del self._by_key[block.key]
+        here = self._siblings[block.sibling_key]
+        here.discard(bid)
+        if not here:
+            del self._siblings[block.sibling_key]
 
     def _acquire(self, bid: int) -> None:
         b = self._blocks[bid]
@@ -284,14 +363,14 @@ class PrefixCache:
         if not self._lru:
             return None
         bid, _ = self._lru.popitem(last=False)
-        del self._by_key[self._blocks.pop(bid).key]
+        self._unlist(self._blocks.pop(bid), bid)
         self.evictions += 1
         return bid
 
     def _forget(self, bid: int) -> None:
         b = self._blocks.pop(bid, None)
         if b is not None:
-            self._by_key.pop(b.key, None)
+            self._unlist(b, bid)
             self._lru.pop(bid, None)
             self._free.append(bid)
             self._warmed = False

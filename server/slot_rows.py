@@ -8,10 +8,9 @@ prefill ids begin with those tokens takes the rows over (``reuse``) instead of r
 from the prefix cache or prefilling them.
 
 Why beside the prefix cache: a chat client sends the whole history each turn. The slot that
-served the last turn holds all of it, prompt and reply, where the cache holds whole blocks
-only (up to 15 tokens of every turn are prefilled again) and its restore copies every row
-into the slot once more. On the 6M bench model, a turn of 48 new user tokens after 640 cached
-ones: the restore ~1.1 ms and 16 tokens more to prefill, of a ~10 ms time to first token.
+served the last turn holds all of it, prompt and reply, where the cache's restore would copy
+every row into the slot once more. On the 6M bench model, a turn of 48 new user tokens after
+640 cached ones: the restore ~1.1 ms of a ~10 ms time to first token.
 
 Exact: the rows are the ones the prefix cache stores for those tokens (it copies them from this
 slot), made by the same graph for the same prefix at the same positions. On with the prefix

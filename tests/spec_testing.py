@@ -100,8 +100,8 @@ def prefill_rest(lm, kv, slot: int, rest: list[int]) -> np.ndarray:
 
 def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
     """A prompt prefilled in slot 1 (slot 0 busy with another) and inserted; a second prompt
-    sharing its first 40 tokens restores the cached whole blocks into an empty slot of another
-    cache and prefills the rest. Its logits (rest rows) and 4 greedy decode steps equal those
+    sharing its first 40 tokens restores them (two whole blocks and the first 8 rows of a
+    third) into an empty slot of another cache and prefills the rest. Its logits (rest rows) and 4 greedy decode steps equal those
     of prefilling the second prompt whole, within ``tol`` (relative to the largest |logit|);
     the greedy tokens are identical. Returns the worst difference."""
     from kvserve.artifact.prefix_pool import make_prefix_pool
@@ -114,16 +114,17 @@ def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
     cache = PrefixCache(make_prefix_pool(lm, 1 << 20, 16))
     kv = lm.new_cache(2)
     lm.prefill(kv, 0, [g.integers(0, V, 30).tolist(), first], last=True)
-    assert cache.insert(kv, 1, first) == 3  # 48 of its 50 rows: 3 whole blocks
+    assert cache.insert(kv, 1, first) == 4  # 3 whole blocks and the 2 rows of a fourth
     blocks, n = cache.match(second)
-    assert n == 32 and len(blocks) == 2  # 40 shared tokens: 2 whole blocks
+    assert n == 40 and len(blocks) == 3  # 40 shared tokens: 2 whole blocks, 8 rows of one
     kv2 = lm.new_cache(3)
     lm.prefill(kv2, 0, [g.integers(0, V, 7).tolist()], last=True)  # slot 0 busy
-    assert cache.restore(kv2, 2, blocks) == 32 and kv2.used[2] == 32
+    assert cache.restore(kv2, 2, blocks, n) == 40 and kv2.used[2] == 40
     cache.release(blocks)
-    got = prefill_rest(lm, kv2, 2, second[32:])
+    got = prefill_rest(lm, kv2, 2, second[40:])
     ref_kv = lm.new_cache(1)
-    want = lm.prefill(ref_kv, 0, [second]).logits[0][32:]
+    whole = lm.prefill(ref_kv, 0, [second]).logits[0]
+    want = whole[40:]
     scale = max(1.0, float(np.abs(want).max()))
     worst = float(np.abs(got - want).max()) / scale
     assert worst <= tol, worst
@@ -131,9 +132,9 @@ def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
     # would not: attention sums over its (key, value) rows, positions already rotated in)
     kv3 = lm.new_cache(1)
     blocks2, _ = cache.match(second)
-    cache.restore(kv3, 0, [blocks2[0], blocks2[0]])
+    cache.restore(kv3, 0, [blocks2[0], blocks2[0]], 32)
     cache.release(blocks2)
-    assert float(np.abs(prefill_rest(lm, kv3, 0, second[32:]) - want).max()) > 100 * tol
+    assert float(np.abs(prefill_rest(lm, kv3, 0, second[32:]) - whole[32:]).max()) > 100 * tol
     tok_a = tok_b = int(np.argmax(want[-1]))
     assert int(np.argmax(got[-1])) == tok_a
     for step in range(4):
@@ -151,8 +152,9 @@ def check_prefix_restore(lm, tol: float, seed: int = 0) -> float:
 def check_batched_rests(lm, tol: float, seed: int = 0) -> float:
     """Three prompts sharing a first block, cached from a fourth, admitted together as the
     engine admits them (``ModelRunner._prefill_cached``, runners with ``prefills_after_rows``):
-    one slot's restored rows are 32 tokens, another's 16, a third slot empty, and one prefill
-    call feeds each its rest (lengths 5, 23, 11: right-padded) after its own past. Each row's
+    one slot's restored rows are 37 tokens, another's 20 (each ends inside a cached block), a
+    third slot empty, and one prefill call feeds each its rest (lengths 5, 19, 11:
+    right-padded) after its own past. Each row's
     last logits equal those of prefilling its prompt whole within ``tol`` (relative to the
     largest |logit|), and the three then decode a step together as the plain path does.
     Returns the worst difference."""
@@ -163,8 +165,8 @@ def check_batched_rests(lm, tol: float, seed: int = 0) -> float:
     g = np.random.default_rng(seed)
     V = lm.cfg.vocab_size
     head = g.integers(0, V, 40).tolist()
-    prompts = [head[:37] + g.integers(0, V, 5).tolist(),  # 2 whole blocks cached: 32 + 10
-               head[:20] + g.integers(0, V, 19).tolist(),  # 1 block: 16 + 23
+    prompts = [head[:37] + g.integers(0, V, 5).tolist(),  # 2 whole blocks and 5 rows: 37 + 5
+               head[:20] + g.integers(0, V, 19).tolist(),  # 1 block and 4 rows: 20 + 19
                g.integers(0, V, 11).tolist()]  # nothing cached: 0 + 11
     cache = PrefixCache(make_prefix_pool(lm, 1 << 20, 16))
     kv = lm.new_cache(1)
@@ -176,10 +178,10 @@ def check_batched_rests(lm, tol: float, seed: int = 0) -> float:
     for b, p in enumerate(prompts):
         blocks, n = cache.match(p)
         if n:
-            cache.restore(kv2, 1 + b, blocks)
+            cache.restore(kv2, 1 + b, blocks, n)
         cache.release(blocks)
         starts.append(n)
-    assert starts == [32, 16, 0]
+    assert starts == [37, 20, 0]
     got = lm.prefill(kv2, 1, [p[n:] for p, n in zip(prompts, starts)], last=True).logits
     got = [x[-1].copy() for x in got]
     worst = 0.0

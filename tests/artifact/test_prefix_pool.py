@@ -38,8 +38,14 @@ def test_save_and_load_copy_rows_exactly(lm, monkeypatch):
             pk, pv = pool.block_rows(layer, bid)
             assert np.array_equal(pk, k[:, j * BT:(j + 1) * BT])
             assert np.array_equal(pv, v[:, j * BT:(j + 1) * BT])
-    with pytest.raises(ValueError, match="block 4 is not filled"):
-        pool.save(kv, [(2, 4)], [0])
+    pool.save(kv, [(2, 4)], [1])  # rows 64..69 of 70: a block partly filled is saved whole
+    for layer in range(cfg.n_layers):
+        k, v = kv.slot_rows(layer, 2) if lm.kind == "fused" else \
+            (kv.k[layer][2, :, :70], kv.v[layer][2, :, :70])
+        pk, pv = pool.block_rows(layer, 1)
+        assert np.array_equal(pk[:, :6], k[:, 64:70]) and np.array_equal(pv[:, :6], v[:, 64:70])
+    with pytest.raises(ValueError, match="block 5 holds none"):
+        pool.save(kv, [(2, 5)], [0])
     kv.clear(0)
     runs.clear()
     beside = [[x.copy() for x in kv.slot_rows(layer, 1)] for layer in range(cfg.n_layers)] \
@@ -85,7 +91,7 @@ def test_one_save_copies_blocks_of_several_slots(lm, monkeypatch):
             pk, pv = pool.block_rows(layer, bid)
             assert np.array_equal(pk, k[:, j * BT:(j + 1) * BT])
             assert np.array_equal(pv, v[:, j * BT:(j + 1) * BT])
-    for bad, match in (([(2, 0)], "slot 2 has 0 rows"), ([(1, 1)], "block 1 is not filled"),
+    for bad, match in (([(2, 0)], "slot 2 has 0 rows"), ([(1, 1)], "block 1 holds none"),
                        ([(9, 0)], "no block 0 of slot 9")):
         with pytest.raises(ValueError, match=match):
             pool.save(kv, bad, [1])

@@ -332,6 +332,27 @@ def test_burst_admission_measures_both_cells(tiny_artifact):
     assert md.count("| tiny |") == 2
 
 
+def test_prefix_tokens_measures_both_ways(tiny_artifact, monkeypatch):
+    """bench/prefix_tokens.py on the tiny artifact (smaller chats and prefix): both cells timed
+    both ways every round; to the token, every burst request restores the whole 100-token
+    prefix and the chats more of their histories than in whole blocks."""
+    import kvserve.bench.prefix_tokens as P
+
+    for name, value in (("CHATS", 2), ("TURNS", 3), ("FIRST", 40), ("SYSTEM", 100),
+                        ("BURST", 3)):
+        monkeypatch.setattr(P, name, value)
+    res = P.measure(tiny_artifact, rounds=2, threads=1)
+    for cell in ("chats", "burst"):
+        ways = res[cell]["ways"]
+        assert res[cell]["ratio"] > 0 and all(len(ways[w]["rounds_ms"]) == 2 for w in P.WAYS)
+        token, whole = (ways[w]["cached_tokens"] for w in P.WAYS)
+        assert token > whole, cell
+    assert res["burst"]["ways"][P.WAYS[0]]["cached_tokens"] == 3 * 100
+    md = P.render({"rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y", "date": "z",
+                   "sizes": {"tiny": res}})
+    assert md.count("| tiny |") == 2
+
+
 def test_lookup_peers_committed_table_is_its_json_rendered():
     """bench/results/lookup-peers.md is bench/lookup_peers.py's rendering of its .json (the
     figures docs/speed.md quotes come from the file, not from hand edits)."""

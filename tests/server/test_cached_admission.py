@@ -92,9 +92,10 @@ def test_a_burst_on_a_new_shared_prefix_computes_it_once_then_the_rest_in_one_ca
         monkeypatch.undo()
     finally:
         e.stop()
-    # the first prompt alone (it computes the shared blocks), then the other three together
+    # the first prompt alone (it computes the shared blocks), then the other three together,
+    # after all 40 shared tokens (the first's third block holds 8 of them)
     assert rows == [1, 3]
-    assert got[2] == [0, 32, 32, 32]
+    assert got[2] == [0, 40, 40, 40]
     _compare(lm, prompts, got)
 
 
@@ -104,9 +105,11 @@ def test_a_rest_past_its_share_of_a_shrunken_chunk_goes_on_in_its_own_slot(lm, m
     a longer rest's tail follows in its own slot, exactly."""
     warm = _engine(lm, 64, 0)
     try:
-        _burst(warm, [HEAD + [1]])  # the shared blocks cached ...
+        _burst(warm, [HEAD[:32] + [1]])  # two whole shared blocks cached ...
         _burst(warm, [[250] * 20])  # ... and slot 0's rows no longer theirs
-        prompts = [HEAD + [2, 3], HEAD + list(range(60, 72)), HEAD + list(range(100, 130))]
+        # (each parts from the others at token 32: none restores another's third block)
+        prompts = [HEAD[:32] + [200 + i] + HEAD[33:] + rest for i, rest in
+                   enumerate(([2, 3], list(range(60, 72)), list(range(100, 130))))]
         sched, runner, restored = warm.sched, warm.runner, []
         chunk, restore = sched.prefill_tokens, runner._restore
         monkeypatch.setattr(sched, "prefill_tokens", lambda: 20 if restored else 64)

@@ -1,8 +1,9 @@
 """The prefix cache's index (``kvserve.server.prefix_cache``) over a real pool and a real KV
 cache (``NumpyPrefixPool`` + the portable runner's ``KVBuffers``, no model needed): each row
 holds a number derived from its whole prefix (a rolling hash), so a restored row that belongs
-to another prefix is caught. Matching in whole blocks, never the whole prompt; the hash chain;
-references; tail-first LRU eviction; 2,000 mixed random requests under pressure with the pool
+to another prefix is caught. Matching to the token (whole blocks, then the first rows of one
+more: a block where prompts part, or one a sequence left unfinished), never the whole prompt;
+the hash chain; references; tail-first LRU eviction; 2,000 mixed random requests under pressure with the pool
 never past its cap; which models are excluded. (The device copies and the exactness of a
 restored prefix through the runners: tests/artifact/test_prefix_pool.py and
 tests/export/test_prefix_matrix.py.)"""
@@ -60,7 +61,7 @@ def serve(cache: PrefixCache, kv: KVBuffers, tokens) -> int:
     prefill the rest, insert. Returns the cached tokens used."""
     kv.clear(0)
     blocks, n = cache.match(tokens)
-    cache.restore(kv, 0, blocks)
+    assert cache.restore(kv, 0, blocks, n) == n == kv.used[0]
     cache.release(blocks)
     assert_rows_of(kv, 0, tokens)  # every restored row belongs to this prefix
     prefill(kv, 0, tokens)
@@ -72,18 +73,61 @@ def new_cache(n_blocks: int) -> PrefixCache:
     return PrefixCache(NumpyPrefixPool(CFG, n_blocks, BT))
 
 
-def test_match_is_whole_blocks_and_never_the_whole_prompt():
+def test_match_is_to_the_token_and_never_the_whole_prompt():
     cache, kv = new_cache(8), KVBuffers(CFG, 1)
     toks = list(range(100, 148))  # 3 blocks
     assert serve(cache, kv, toks) == 0
     assert cache.cached_blocks == 3
-    assert cache.match(toks[:16]) == ([], 0)  # one block: the prompt itself, nothing left
-    for length, want in ((17, 16), (32, 16), (33, 32), (48, 32), (49, 48), (200, 48)):
-        blocks, n = cache.match(toks + list(range(length - 48)) if length > 48
-                                else toks[:length])
-        assert n == want, length
+    for length, want in ((1, 0), (2, 1), (16, 15), (17, 16), (32, 31), (33, 32), (48, 47),
+                         (49, 48), (200, 48)):
+        prompt = toks + list(range(length - 48)) if length > 48 else toks[:length]
+        blocks, n = cache.match(prompt)
+        assert n == want == cache.cached_tokens(prompt), length
+        assert len(blocks) == -(-want // BT)
         cache.release(blocks)
-    assert cache.match(toks[:16] + [7] + toks[17:40])[1] == 16  # a change in block 1
+    for cut in (16, 20, 31):  # the prompt parts from the cached one at token ``cut``
+        blocks, n = cache.match(toks[:cut] + [7] + toks[cut + 1:40])
+        assert n == cut, cut
+        cache.release(blocks)
+    assert serve(cache, kv, toks[:20] + [7] + toks[21:40]) == 20
+    assert serve(cache, kv, toks[:20] + [7] + toks[21:40]) == 39  # its own unfinished block
+    cache.check()
+
+
+def test_unfinished_blocks_are_cached_and_give_way_to_whole_ones():
+    """A sequence's last, unfinished block is cached too (a chat turn's end: the next turn
+    restores it, not only the whole blocks); once a longer sequence fills that block, the
+    unfinished copy (unreferenced) is dropped for it, and a referenced one is kept."""
+    cache, kv = new_cache(8), KVBuffers(CFG, 1)
+    turn = list(range(100, 140))  # 2 whole blocks and 8 rows
+    assert serve(cache, kv, turn) == 0 and cache.cached_blocks == 3
+    nxt = turn + list(range(700, 720))
+    assert serve(cache, kv, nxt) == 40  # every row of the earlier turn
+    assert cache.cached_blocks == 4  # blocks 0-2 whole, 12 rows of block 3; the 8-row one gone
+    held, n = cache.match(nxt + [5])
+    assert n == 60
+    longer = nxt + list(range(900, 920))
+    prefill(kv, 0, longer)
+    kv.clear(0)
+    prefill(kv, 0, longer)
+    assert cache.insert(kv, 0, longer) == 2  # block 3 whole (the 12-row one is held), block 4
+    assert cache.cached_blocks == 6
+    cache.release(held)
+    for prompt, want in ((nxt + [5], 60), (longer + [5], 80), (turn + [1], 40)):
+        blocks, n = cache.match(prompt)
+        assert n == want
+        cache.release(blocks)
+    cache.check()
+
+
+def test_whole_blocks_only_when_asked():
+    """``to_the_token`` False (the bench's comparison): matched and cached in whole blocks."""
+    cache, kv = new_cache(8), KVBuffers(CFG, 1)
+    cache.to_the_token = False
+    toks = list(range(100, 140))
+    assert serve(cache, kv, toks) == 0 and cache.cached_blocks == 2
+    assert serve(cache, kv, toks[:20] + [7] + toks[21:40]) == 16
+    assert serve(cache, kv, toks + [1]) == 32
     cache.check()
 
 
@@ -101,11 +145,12 @@ def test_insert_copies_only_new_blocks_and_generated_rows_count():
     cache, kv = new_cache(8), KVBuffers(CFG, 1)
     toks = list(range(40))
     prefill(kv, 0, toks)
-    assert cache.insert(kv, 0, toks) == 2  # rows 0..31
+    assert cache.insert(kv, 0, toks) == 3  # rows 0..31, and 32..39 unfinished
     assert cache.insert(kv, 0, toks) == 0  # already there
     more = toks + list(range(500, 530))  # generated tokens: their rows exist now
     prefill(kv, 0, more)
-    assert cache.insert(kv, 0, more) == 2  # blocks 2 and 3 (rows 32..63)
+    assert cache.insert(kv, 0, more) == 3  # blocks 2 and 3 (rows 32..63), 64..69 unfinished
+    assert cache.cached_blocks == 5  # (the 8-row block 2 gave way to the whole one)
     assert cache.insert(kv, 0, more + [1] * 40) == 0  # tokens past the slot's rows: ignored
     cache.check()
 
@@ -115,7 +160,7 @@ def test_insert_many_is_one_copy_and_a_shared_block_is_copied_once(monkeypatch):
     leaving at one step): one device copy for all their new blocks; a block two of them share
     (same prefix) is copied once, from the first; each restores its own rows. If the copy
     fails, none of the new entries stays (a later match would restore rows never written)."""
-    cache, kv = new_cache(12), KVBuffers(CFG, 3)
+    cache, kv = new_cache(16), KVBuffers(CFG, 3)
     a, b = list(range(40)), list(range(16)) + list(range(700, 740))  # b shares a's block 0
     c = list(range(300, 333))
     for slot, toks in enumerate((a, b, c)):
@@ -124,13 +169,13 @@ def test_insert_many_is_one_copy_and_a_shared_block_is_copied_once(monkeypatch):
     real = cache.pool.save
     monkeypatch.setattr(cache.pool, "save", lambda kv_, blocks, ids: (
         saves.append(list(blocks)), real(kv_, blocks, ids))[1])
-    assert cache.insert_many(kv, [(0, a), (1, b), (2, c)]) == 2 + 2 + 2
-    assert saves == [[(0, 0), (0, 1), (1, 1), (1, 2), (2, 0), (2, 1)]]
+    assert cache.insert_many(kv, [(0, a), (1, b), (2, c)]) == 3 + 3 + 3
+    assert saves == [[(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2)]]
     for toks in (a, b, c):
         blocks, n = cache.match(toks)
-        assert n == (len(toks) - 1) // BT * BT
+        assert n == len(toks) - 1
         kv.clear(0)
-        cache.restore(kv, 0, blocks)
+        cache.restore(kv, 0, blocks, n)
         cache.release(blocks)
         assert_rows_of(kv, 0, toks)
     cache.check()
@@ -158,7 +203,7 @@ def test_referenced_blocks_are_never_evicted():
         serve(cache, kv, [rnd.randrange(300) for _ in range(rnd.randrange(20, 80))])
     assert cache.evictions > 0
     kv.clear(0)
-    cache.restore(kv, 0, blocks)
+    cache.restore(kv, 0, blocks, n)
     assert_rows_of(kv, 0, held)
     other, _ = cache.match(held)  # a second reference to the same blocks
     assert other == blocks
@@ -172,13 +217,18 @@ def test_referenced_blocks_are_never_evicted():
 
 
 def test_eviction_takes_the_least_recent_chain_from_its_end():
-    cache, kv = new_cache(4), KVBuffers(CFG, 1)
-    a = list(range(49))  # 3 blocks
-    b = list(range(200, 233))  # 2 blocks: one must go, a's last
+    cache, kv = new_cache(5), KVBuffers(CFG, 1)
+    a = list(range(49))  # 3 whole blocks and 1 row
+    b = list(range(200, 232))  # 2 whole blocks: two must go, a's last ones
     serve(cache, kv, a)
     serve(cache, kv, b)
-    assert cache.evictions == 1
-    assert cache.match(a)[1] == 32 and cache.match(b)[1] == 32
+    assert cache.evictions == 1  # a's unfinished block (the pool had one free)
+    assert cache.cached_tokens(a) == 48 and cache.cached_tokens(b) == 31
+    cache.check()
+    c = list(range(400, 417))  # a whole block and 1 row: two go, a's last whole ones
+    serve(cache, kv, c)
+    assert cache.evictions == 3
+    assert cache.cached_tokens(a) == 16 and cache.cached_tokens(b) == 31
     cache.check()
 
 
@@ -249,20 +299,20 @@ def test_warming_writes_only_the_free_blocks_handed_out_next(monkeypatch):
     touched: list[list[int]] = []
     touch = cache.pool.touch
     cache.pool.touch = lambda blocks: (touched.append(sorted(blocks)), touch(blocks))[1]
-    prompts = [list(range(100, 148)), list(range(300, 333))]  # 3 and 2 blocks cached
+    prompts = [list(range(100, 148)), list(range(300, 333))]  # 3 and 2 + 1 row cached
     for p in prompts:
         serve(cache, kv, p)
     assert cache.warm_pending
     assert cache.warm() == 4 and cache.warm_pending  # a chunk, then the rest of the window
     assert cache.warm() == 2 and not cache.warm_pending
     assert cache.warm() == 0
-    assert touched == [[5, 6, 7, 8], [9, 10]]  # the next 6 free ones, none of the 5 cached
+    assert touched == [[6, 7, 8, 9], [10, 11]]  # the next 6 free ones, none of the 6 cached
     for i in range(CFG.n_layers):
-        assert not cache.pool.k[i][5:11].any() and not cache.pool.v[i][5:11].any()
+        assert not cache.pool.k[i][6:12].any() and not cache.pool.v[i][6:12].any()
     for p in prompts:  # the cached rows are intact
-        assert serve(cache, kv, p) == (len(p) - 1) // BT * BT
-    serve(cache, kv, list(range(500, 517)))  # takes block 5: the window moves on by one
-    assert cache.warm_pending and cache.warm() == 1 and touched[-1] == [11]
+        assert serve(cache, kv, p) == len(p) - 1
+    serve(cache, kv, list(range(500, 517)))  # takes blocks 6 and 7: the window moves on
+    assert cache.warm_pending and cache.warm() == 2 and touched[-1] == [12, 13]
     cache.check()
 
 

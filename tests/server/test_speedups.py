@@ -138,7 +138,8 @@ def test_a_stop_id_inside_an_accepted_draft_ends_the_staged_stream_where_plain_d
 
 def test_shared_prefix_admitted_together_is_computed_once(lm):
     """Three requests with the same 40-token prefix arrive together: the first prefills it,
-    the others restore its two blocks (32 tokens) from the cache."""
+    the others restore all 40 of its tokens from the cache (two whole blocks and 8 rows of the
+    first's third)."""
     e = _engine(lm, 64, 0)
     try:
         reqs = [GenerateRequest(SHARED + tail, SamplingParams(), StopParams(max_new_tokens=4),
@@ -151,7 +152,7 @@ def test_shared_prefix_admitted_together_is_computed_once(lm):
             seen.extend(s.cached_tokens for s in group)
         e.runner._prefill_cached = spy
         _run(e, reqs)
-        assert seen == [32, 32]
+        assert seen == [40, 40]
     finally:
         e.stop()
 
@@ -283,7 +284,7 @@ def _pool_covers(engine: Engine, tokens: list[int]) -> int:
 
 def test_a_leaving_sequences_rows_reach_the_pool_when_the_engine_is_idle(lm):
     """The copy of a finished request's rows into the pool waits for an idle moment (or the
-    next admission); then the pool has every whole block of its prompt and reply."""
+    next admission); then the pool has every row of its prompt and reply."""
     fast = _engine(lm, 64, 0)
     try:
         req = GenerateRequest(list(PROMPTS[5]), SamplingParams(),
@@ -291,7 +292,7 @@ def test_a_leaving_sequences_rows_reach_the_pool_when_the_engine_is_idle(lm):
         reply = _tokens(_run(fast, [req]))[0]
         _settled(fast)
         rows = len(PROMPTS[5]) + len(reply) - 1  # (the last token was never fed)
-        assert _pool_covers(fast, list(PROMPTS[5]) + reply) == rows // 16 * 16
+        assert _pool_covers(fast, list(PROMPTS[5]) + reply) == rows  # (to the token)
     finally:
         fast.stop()
 
@@ -331,7 +332,7 @@ def test_a_next_turn_takes_the_rows_before_they_are_copied(lm, monkeypatch):
         _run(fast, [request(other)])
         assert inserts[2:4] == [len(turn) + 11, len(other)]  # (its rows: the last token had none)
         fast.stop()  # (the test reads the pool: the engine's thread owns it)
-        assert _pool_covers(fast, turn) == len(turn) // 16 * 16
+        assert _pool_covers(fast, turn) == len(turn)
     finally:
         plain.stop()
         fast.stop()
@@ -341,7 +342,7 @@ def test_rows_cached_at_one_step_are_one_device_copy(lm):
     """The prompts of a batched prefill go into the pool in one copy (after their first
     tokens), and so do the rows of sequences that leave at the same step: two short requests
     ending together beside two long ones, then the long ones (at the idle moment). The
-    tokens are the plain engine's, and the pool ends with every whole block of each."""
+    tokens are the plain engine's, and the pool ends with every row of each."""
     plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
     copies: list[list[int]] = []  # the slots of each device copy's blocks
     save = fast.prefix.pool.save
@@ -363,7 +364,7 @@ def test_rows_cached_at_one_step_are_one_device_copy(lm):
         fast.stop()  # (the test reads the pool: the engine's thread owns it)
         for p, toks in zip(prompts, got):
             rows = len(p) + len(toks) - 1  # (the last token was never fed)
-            assert _pool_covers(fast, p + toks) == rows // 16 * 16
+            assert _pool_covers(fast, p + toks) == rows
     finally:
         plain.stop()
         fast.stop()
@@ -458,7 +459,7 @@ def test_an_idle_engine_makes_the_pools_next_blocks_resident(lm, monkeypatch):
             time.sleep(0.01)
         assert not prefix.warm_pending
         assert len(prefix._warm) == min(prefix._ahead, len(prefix._free))
-        assert not taken & prefix._warm
+        assert not set(prefix._blocks) & prefix._warm  # (a cached block is never written)
     finally:
         fast.stop()
 
