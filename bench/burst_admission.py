@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, run_header, results_path, write_results
+from kvserve.bench.common import parse_results_args, run_header, write_results
 
 SYSTEM_TOKENS = 1000
 NEW_TOKENS = 4
@@ -144,12 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
-    add_results_options(ap, "burst-admission.json")
-    args = ap.parse_args(argv)
-    out = results_path(ap, args, "burst-admission.json")
-    if args.render_only:
-        write_results(out, None, render)
+    parsed = parse_results_args(ap, argv, "burst-admission.json", render)
+    if parsed is None:
         return 0
+    args, out = parsed
     data = run_header(requests=args.requests, rounds=args.rounds, threads=args.threads,
                       sizes={})
     for size in args.sizes:

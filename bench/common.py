@@ -48,6 +48,19 @@ def results_path(ap, args, name: str) -> Path:
     return Path(args.out) if args.out else Path(args.cache) / name
 
 
+def parse_results_args(ap, argv, name: str, render):
+    """A bench script's options with ``add_results_options``' for its results ``name``, parsed:
+    (args, where the results go), or None where ``--render-only`` asked for the .md alone
+    (written here)."""
+    add_results_options(ap, name)
+    args = ap.parse_args(argv)
+    out = results_path(ap, args, name)
+    if args.render_only:
+        write_results(out, None, render)
+        return None
+    return args, out
+
+
 def write_results(out: Path, data: dict | None, render) -> None:
     """``data`` as ``out`` (.json) and its ``render`` as the .md beside it; ``data`` None: the
     .md re-rendered from the .json there (``--render-only``)."""

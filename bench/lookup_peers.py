@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, run_header, results_path, write_results
+from kvserve.bench.common import parse_results_args, run_header, write_results
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -161,12 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    add_results_options(ap, "lookup-peers.json")
-    args = ap.parse_args(argv)
-    out = results_path(ap, args, "lookup-peers.json")
-    if args.render_only:
-        write_results(out, None, render)
+    parsed = parse_results_args(ap, argv, "lookup-peers.json", render)
+    if parsed is None:
         return 0
+    args, out = parsed
     data = run_header(rounds=args.rounds, new_tokens=args.new_tokens, threads=args.threads,
                       lookup_tokens=LOOKUP, llama_cpp=llama_cpp.__version__, cells={})
     cache = Path(args.cache)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, run_header, results_path, write_results
+from kvserve.bench.common import parse_results_args, run_header, write_results
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -160,12 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
-    add_results_options(ap, "paired-attention.json")
-    args = ap.parse_args(argv)
-    out = results_path(ap, args, "paired-attention.json")
-    if args.render_only:
-        write_results(out, None, render)
+    parsed = parse_results_args(ap, argv, "paired-attention.json", render)
+    if parsed is None:
         return 0
+    args, out = parsed
     data = run_header(rounds=args.rounds, new_tokens=args.new_tokens, threads=args.threads,
                       cells={})
     arts = _artifacts(Path(args.cache), args.threads)

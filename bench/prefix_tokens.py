@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, results_path, run_header, write_results
+from kvserve.bench.common import parse_results_args, run_header, write_results
 
 CHATS, TURNS, FIRST, REPLY = 4, 6, 200, 32
 SYSTEM, BURST = 1000, 8
@@ -144,12 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["bench-6m", "bench-100m"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    add_results_options(ap, "prefix-tokens.json")
-    args = ap.parse_args(argv)
-    out = results_path(ap, args, "prefix-tokens.json")
-    if args.render_only:
-        write_results(out, None, render)
+    parsed = parse_results_args(ap, argv, "prefix-tokens.json", render)
+    if parsed is None:
         return 0
+    args, out = parsed
     data = run_header(rounds=args.rounds, threads=args.threads, sizes={})
     for size in args.sizes:
         art = build(size, Path(args.cache), genai=False, int8=False).fp32

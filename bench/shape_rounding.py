@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import add_results_options, run_header, results_path, write_results
+from kvserve.bench.common import parse_results_args, run_header, write_results
 
 PROMPT = 40
 ARTIFACTS = ("fp32", "int8-rows", "int8-b64", "int4-b32", "int4-b64")
@@ -190,12 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="bench-100m")
     ap.add_argument("--rounds", type=int, default=20)
-    add_results_options(ap, "shape-rounding.json")
-    args = ap.parse_args(argv)
-    out = results_path(ap, args, "shape-rounding.json")
-    if args.render_only:
-        write_results(out, None, render)
+    parsed = parse_results_args(ap, argv, "shape-rounding.json", render)
+    if parsed is None:
         return 0
+    args, out = parsed
     built = build(args.size, Path(args.cache), genai=False, int8=True, int4=True)
     root = built.fp32.parent
     dirs = {"fp32": built.fp32, "int8-rows": root / "int8-rows", "int8-b64": built.int8,

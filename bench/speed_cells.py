@@ -145,7 +145,8 @@ def by_round(got: list[dict], field: str, rounds: int) -> list[float | None]:
 
 def best_turns(key: tuple, got: list[dict], rounds: int) -> tuple[str, str, dict]:
     """(group, name, entry): e.g. ("prefix", "1000+16", the best turn with ``turns_<field>``
-    lists by round; a prefix cell's first request the best of its own turns). A spec cell whose turns made different tokens says ``varies``."""
+    lists by round; a prefix cell's first request the best of its own turns). A spec cell
+    whose turns made different tokens says ``varies``."""
     op = key[0]
     field, pick = BEST[op]
     best = dict(pick(got, key=lambda t: t.get(field) or 0.0))

@@ -353,6 +353,20 @@ def test_prefix_tokens_measures_both_ways(tiny_artifact, monkeypatch):
     assert md.count("| tiny |") == 2
 
 
+@pytest.mark.parametrize("script, name", [("prefix_tokens", "prefix-tokens"),
+                                          ("burst_admission", "burst-admission"),
+                                          ("shape_rounding", "shape-rounding")])
+def test_committed_tables_are_their_json_rendered(script, name):
+    """A bench script's committed .md is its rendering of the committed .json."""
+    import importlib
+
+    from kvserve.bench.common import committed_results
+
+    render = importlib.import_module(f"kvserve.bench.{script}").render
+    res = committed_results("a test") / f"{name}.json"
+    assert res.with_suffix(".md").read_text() == render(json.loads(res.read_text()))
+
+
 def test_lookup_peers_committed_table_is_its_json_rendered():
     """bench/results/lookup-peers.md is bench/lookup_peers.py's rendering of its .json (the
     figures docs/speed.md quotes come from the file, not from hand edits)."""
