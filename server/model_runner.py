@@ -317,15 +317,17 @@ class ModelRunner:
     def _take(self, kv, slots, rows: int = 0) -> None:
         """Sequences are admitted into ``slots``, each taking over the first ``rows`` rows its
         slot retains: the rows that wait for the prefix cache go there first (one copy for
-        all the slots), unless the ones taken over hold all of their whole blocks (the
-        sequence's prompt, cached after its first token, begins with them)."""
+        all the slots), unless the ones taken over hold all the rows the pool would cache of
+        them (the sequence's prompt, cached after its first token, begins with them)."""
         bt, save = self.prefix.block_tokens, []
         for slot in slots:
             waiting = self._unsaved.get(slot)
             if waiting is None:
                 continue
-            whole = min(len(waiting[1]), int(kv.retained[slot])) // bt * bt
-            if rows >= whole and waiting[0] is kv:
+            kept = min(len(waiting[1]), int(kv.retained[slot]))
+            # (what the pool would cache of them: to the token past a whole block)
+            cached = kept if self.prefix.to_the_token and kept > bt else kept // bt * bt
+            if rows >= cached and waiting[0] is kv:
                 del self._unsaved[slot]
             else:
                 save.append(slot)

@@ -8,15 +8,16 @@ for which that is false). Each entry also keeps its tokens, compared on a hit: a
 can cost a miss, never a wrong row.
 
 - ``match(tokens)``: the longest cached prefix, never the whole prompt (at least one token is
-  left to prefill, so there are logits to sample from): whole blocks along the chain, then the
-  first rows of one more block, a cached block after the last one matched whose first tokens
-  are the prompt's next ones (where two prompts part inside a block, or a block a sequence
-  left unfinished); the blocks it returns are referenced until ``release``.
+  left to prefill, so there are logits to sample from): whole blocks along the chain, then,
+  after at least one, the first rows of one more block, a cached block after the last one
+  matched whose first tokens are the prompt's next ones (where two prompts part inside a
+  block, or a block a sequence left unfinished); the blocks it returns are referenced until
+  ``release``.
 - ``restore(kv, slot, blocks, rows)``: their first ``rows`` rows into an empty slot (one device
   copy).
 - ``insert(kv, slot, tokens)``: after a prefill (or when a sequence ends, its generated
-  tokens too), the slot's blocks that are not cached yet, the unfinished last one too, are
-  copied into the pool (one device copy).
+  tokens too), the slot's blocks that are not cached yet, the unfinished last one too where a
+  whole one comes before it, are copied into the pool (one device copy).
 - Eviction: least recently used blocks with no references, when a new block needs room. A
   released chain enters the LRU order tail first, so a chain is evicted from its end and its
   first blocks (the most shared: system prompts) last.
@@ -44,10 +45,12 @@ from __future__ import annotations
 
 import array
 import hashlib
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
 BLOCK_TOKENS = 16
+PARTIAL_CANDIDATES = 32  # blocks compared at most for the rows of one more block (``_partial``)
 ROOT = b""  # the parent key of a sequence's first block
 WARM_AHEAD_TOKENS = 2048  # the rows of never-used blocks kept resident ahead of use (host
 # pools): a long prompt's worth (6M bench model: 4 MB; 100M: 50 MB, within the pool's cap)
@@ -202,8 +205,11 @@ class PrefixCache:
             for slot, tokens in items:
                 rows = min(len(tokens), int(kv.used[slot]))
                 parent = ROOT
+                # (an unfinished block after a whole one only: one at the root, a prompt of
+                # fewer than block_tokens, could serve no match)
+                unfinished = self.to_the_token and rows > self.block_tokens
                 for j, (key, chunk) in enumerate(self._chain(tokens, rows,
-                                                             partial=self.to_the_token)):
+                                                             partial=unfinished)):
                     bid = self._by_key.get(key)
                     if bid is not None and self._blocks[bid].tokens != chunk:
                         break  # a hash collision: keep the cached block, stop here
@@ -262,7 +268,8 @@ class PrefixCache:
 
     def check(self) -> None:
         """Internal consistency (tests): every block is free, cached-unreferenced (in the LRU
-        order) or referenced, exactly once, and listed under its parent and first token."""
+        order) or referenced, exactly once, and (after a whole block) listed under its parent
+        and first token."""
         assert len(self._by_key) == len(self._blocks) <= self.pool.n_blocks
         assert set(self._lru) == {i for i, b in self._blocks.items() if b.refs == 0}
         assert not set(self._free) & set(self._blocks)
@@ -270,7 +277,8 @@ class PrefixCache:
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
         listed = [(k, i) for k, ids in self._siblings.items() for i in ids]
         assert all(ids for ids in self._siblings.values())
-        assert sorted(listed) == sorted((b.sibling_key, i) for i, b in self._blocks.items())
+        assert sorted(listed) == sorted((b.sibling_key, i) for i, b in self._blocks.items()
+                                        if b.parent != ROOT)
 
     # --- internals ---------------------------------------------------------------------------
     def _matched(self, tokens) -> tuple[list[int], int]:
@@ -293,19 +301,27 @@ class PrefixCache:
         return blocks, covered + m
 
     def _partial(self, parent: bytes, ids) -> tuple[int | None, int]:
-        """The cached block after ``parent`` whose first tokens are most of ``ids`` (fewer
-        than a block), and how many: (None, 0) where none begins with ids[0]."""
-        if not len(ids):
+        """The cached block after ``parent`` (a whole block: not the root) whose first tokens
+        are most of ``ids`` (fewer than a block), and how many: (None, 0) where none begins
+        with ids[0]. Looks at ``PARTIAL_CANDIDATES`` of them at most (requests that share a
+        prefix and part right after it hang many blocks there; any of them is exact, the
+        longest saves the most), each compared in a binary search over its tokens."""
+        if not len(ids) or parent == ROOT:
             return None, 0
         want = array.array("q", ids).tobytes()
         best, most = None, 0
-        for bid in self._siblings.get((parent, want[:8]), ()):
+        for bid in itertools.islice(self._siblings.get((parent, want[:8]), ()),
+                                    PARTIAL_CANDIDATES):
             have = self._blocks[bid].tokens
-            n = min(len(have), len(want)) // 8
-            m = n if have[:n * 8] == want[:n * 8] else next(
-                i for i in range(n) if have[i * 8:i * 8 + 8] != want[i * 8:i * 8 + 8])
-            if m > most:
-                best, most = bid, m
+            lo, hi = 1, min(len(have), len(want)) // 8  # (the first token agrees)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if have[:mid * 8] == want[:mid * 8]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            if lo > most:
+                best, most = bid, lo
         return best, most
 
     def _chain(self, tokens, n_tokens: int, partial: bool = False):
@@ -328,19 +344,26 @@ class PrefixCache:
             yield key, chunk
 
     def _add(self, bid: int, block: _Block) -> None:
-        """A new cached block; unreferenced unfinished blocks beside it whose tokens begin
-        its own are dropped (it serves every prefix they did)."""
-        for other in [b for b in self._siblings.get(block.sibling_key, ())
+        """A new cached block, listed beside its siblings where it is not a first block (those
+        ``_partial`` never looks at); unreferenced unfinished blocks there whose tokens begin
+        its own are dropped (it serves every prefix they did; among the first
+        ``PARTIAL_CANDIDATES``: the rest age out of the LRU order)."""
+        self._blocks[bid] = block
+        self._by_key[block.key] = bid
+        if block.parent == ROOT:
+            return
+        for other in [b for b in itertools.islice(self._siblings.get(block.sibling_key, ()),
+                                                   PARTIAL_CANDIDATES)
                       if self._blocks[b].refs == 0
                       and len(self._blocks[b].tokens) < len(block.tokens)
                       and block.tokens.startswith(self._blocks[b].tokens)]:
-            self._forget(other)
-        self._blocks[bid] = block
-        self._by_key[block.key] = bid
+            self._forget(other)  # (may leave the siblings' set empty, and delete it)
         self._siblings.setdefault(block.sibling_key, set()).add(bid)
 
     def _unlist(self, block: _Block, bid: int) -> None:
         del self._by_key[block.key]
+        if block.parent == ROOT:
+            return
         here = self._siblings[block.sibling_key]
         here.discard(bid)
         if not here:

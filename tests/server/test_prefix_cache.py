@@ -78,16 +78,17 @@ def test_match_is_to_the_token_and_never_the_whole_prompt():
     toks = list(range(100, 148))  # 3 blocks
     assert serve(cache, kv, toks) == 0
     assert cache.cached_blocks == 3
-    for length, want in ((1, 0), (2, 1), (16, 15), (17, 16), (32, 31), (33, 32), (48, 47),
-                         (49, 48), (200, 48)):
+    for length, want in ((1, 0), (2, 0), (16, 0), (17, 16), (18, 17), (32, 31), (33, 32),
+                         (48, 47), (49, 48), (200, 48)):
         prompt = toks + list(range(length - 48)) if length > 48 else toks[:length]
         blocks, n = cache.match(prompt)
         assert n == want == cache.cached_tokens(prompt), length
         assert len(blocks) == -(-want // BT)
         cache.release(blocks)
-    for cut in (16, 20, 31):  # the prompt parts from the cached one at token ``cut``
+    for cut in (5, 16, 20, 31):  # the prompt parts from the cached one at token ``cut``
+        # (to the token after a whole block: within the first one, nothing)
         blocks, n = cache.match(toks[:cut] + [7] + toks[cut + 1:40])
-        assert n == cut, cut
+        assert n == (cut if cut >= BT else 0), cut
         cache.release(blocks)
     assert serve(cache, kv, toks[:20] + [7] + toks[21:40]) == 20
     assert serve(cache, kv, toks[:20] + [7] + toks[21:40]) == 39  # its own unfinished block
@@ -117,6 +118,33 @@ def test_unfinished_blocks_are_cached_and_give_way_to_whole_ones():
         blocks, n = cache.match(prompt)
         assert n == want
         cache.release(blocks)
+    cache.check()
+
+
+def test_short_prompts_take_no_block_and_leave_the_others_be():
+    """A prompt of fewer than 16 tokens has no whole block: nothing of it is cached (an
+    unfinished first block could serve no match), so a stream of them evicts nothing."""
+    cache, kv = new_cache(4), KVBuffers(CFG, 1)
+    doc = list(range(100, 149))  # 3 whole blocks and 1 row: the whole pool
+    serve(cache, kv, doc)
+    for i in range(20):
+        assert serve(cache, kv, [200 + i] * 8) == 0
+        assert serve(cache, kv, list(range(300 + i, 315 + i))) == 0
+    assert cache.evictions == 0 and cache.cached_tokens(doc) == 48
+    cache.check()
+
+
+def test_many_blocks_parting_after_one_prefix_are_compared_a_bounded_number():
+    """Requests that share a prefix and part right after it hang their blocks beside each
+    other: the rows of one more block come from one of at most ``PARTIAL_CANDIDATES`` of them,
+    and any of them is the prompt's own (the rows encode their whole prefix)."""
+    from kvserve.server.prefix_cache import PARTIAL_CANDIDATES
+
+    cache, kv = new_cache(256), KVBuffers(CFG, 1)
+    head = list(range(100, 116)) + [7, 8, 9]  # a whole block, then 3 shared tokens
+    for i in range(3 * PARTIAL_CANDIDATES):
+        serve(cache, kv, head + [1000 + i] * 5)
+    assert serve(cache, kv, head + [5000]) == len(head)
     cache.check()
 
 

@@ -338,6 +338,32 @@ def test_a_next_turn_takes_the_rows_before_they_are_copied(lm, monkeypatch):
         fast.stop()
 
 
+def test_a_turn_taking_part_of_the_rows_leaves_the_rest_to_the_pool(lm, monkeypatch):
+    """A request that takes over only part of the rows a finished one left in its slot (its
+    prompt parts from them inside the last, unfinished block) has all of them copied into the
+    pool first: a later continuation of the finished request finds every row there."""
+    import kvserve.server.engine as E
+
+    monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # no idle save during the test
+    fast = _engine(lm, 64, 0)
+    try:
+        def request(prompt, n=12):
+            return GenerateRequest(list(prompt), SamplingParams(),
+                                   StopParams(max_new_tokens=n, ignore_eos=True),
+                                   OutputParams())
+        first = list(PROMPTS[5])
+        history = first + _tokens(_run(fast, [request(first)]))[0]
+        rows = len(history) - 1  # 51: three whole blocks and 3 rows (the last token: none)
+        part = history[:49] + [history[49] ^ 1, 3, 4]  # takes 49 rows over: all whole blocks
+        (h,) = fast.submit_many([request(part, 2)])
+        assert list(h)[-1].cached_tokens == 49
+        _settled(fast)
+        fast.stop()  # (the test reads the pool: the engine's thread owns it)
+        assert _pool_covers(fast, history[:rows]) == rows
+    finally:
+        fast.stop()
+
+
 def test_rows_cached_at_one_step_are_one_device_copy(lm):
     """The prompts of a batched prefill go into the pool in one copy (after their first
     tokens), and so do the rows of sequences that leave at the same step: two short requests
