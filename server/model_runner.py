@@ -34,7 +34,7 @@ from .rounding import diagnostics_apart
 from .sampler import masked, sample_row
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .slot_rows import SlotRows
+from .slot_rows import SlotRows, pending_prefixes
 from .spec_verify import accepted_count, verify_row
 from .speculation import Speculator
 from .step_costs import StepCosts
@@ -214,6 +214,8 @@ class ModelRunner:
         it (``own`` when known) or, where those are fewer, the pool's blocks. Returns the
         rows restored."""
         kv = self.sched.kv
+        if self._unsaved:  # (another free slot's rows of this prefix: into the pool first)
+            self._save(pending_prefixes(self._unsaved, kv, slot, seq.prefill_ids, self.prefix))
         blocks, n = self.prefix.match(seq.prefill_ids)
         try:
             if own is None:

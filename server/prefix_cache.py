@@ -125,8 +125,10 @@ class PrefixCache:
         self.block_tokens = pool.block_tokens
         self._by_key: dict[bytes, int] = {}  # key -> block id
         self._blocks: dict[int, _Block] = {}  # block id -> entry (cached blocks)
-        # (parent key, first token's bytes) -> the cached blocks there (``_partial``)
-        self._siblings: dict[tuple[bytes, bytes], set[int]] = {}
+        # (parent key, first token's bytes) -> the cached blocks there, oldest first
+        # (``_partial``), and the unfinished ones among them (``_add``)
+        self._siblings: dict[tuple[bytes, bytes], dict[int, None]] = {}
+        self._unfinished: dict[tuple[bytes, bytes], dict[int, None]] = {}
         self._free: list[int] = list(range(pool.n_blocks - 1, -1, -1))  # never used yet
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks
         self.evictions = 0
@@ -275,10 +277,13 @@ class PrefixCache:
         assert not set(self._free) & set(self._blocks)
         assert len(self._free) + len(self._blocks) == self.pool.n_blocks
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
-        listed = [(k, i) for k, ids in self._siblings.items() for i in ids]
-        assert all(ids for ids in self._siblings.values())
-        assert sorted(listed) == sorted((b.sibling_key, i) for i, b in self._blocks.items()
-                                        if b.parent != ROOT)
+        bt = self.block_tokens * 8
+        for index, which in ((self._siblings, lambda b: True),
+                             (self._unfinished, lambda b: len(b.tokens) < bt)):
+            listed = [(k, i) for k, ids in index.items() for i in ids]
+            assert all(ids for ids in index.values())
+            assert sorted(listed) == sorted((b.sibling_key, i) for i, b in self._blocks.items()
+                                            if b.parent != ROOT and which(b))
 
     # --- internals ---------------------------------------------------------------------------
     def _matched(self, tokens) -> tuple[list[int], int]:
@@ -303,14 +308,15 @@ class PrefixCache:
     def _partial(self, parent: bytes, ids) -> tuple[int | None, int]:
         """The cached block after ``parent`` (a whole block: not the root) whose first tokens
         are most of ``ids`` (fewer than a block), and how many: (None, 0) where none begins
-        with ids[0]. Looks at ``PARTIAL_CANDIDATES`` of them at most (requests that share a
+        with ids[0]. Looks at the newest ``PARTIAL_CANDIDATES`` of them (requests that share a
         prefix and part right after it hang many blocks there; any of them is exact, the
-        longest saves the most), each compared in a binary search over its tokens."""
+        longest saves the most; a continuation mostly follows a recent request), each
+        compared in a binary search over its tokens."""
         if not len(ids) or parent == ROOT:
             return None, 0
         want = array.array("q", ids).tobytes()
         best, most = None, 0
-        for bid in itertools.islice(self._siblings.get((parent, want[:8]), ()),
+        for bid in itertools.islice(reversed(self._siblings.get((parent, want[:8]), {})),
                                     PARTIAL_CANDIDATES):
             have = self._blocks[bid].tokens
             lo, hi = 1, min(len(have), len(want)) // 8  # (the first token agrees)
@@ -346,28 +352,32 @@ class PrefixCache:
     def _add(self, bid: int, block: _Block) -> None:
         """A new cached block, listed beside its siblings where it is not a first block (those
         ``_partial`` never looks at); unreferenced unfinished blocks there whose tokens begin
-        its own are dropped (it serves every prefix they did; among the first
-        ``PARTIAL_CANDIDATES``: the rest age out of the LRU order)."""
+        its own (a whole block's, or a longer unfinished one's) are dropped: it serves every
+        prefix they did. (Only the unfinished ones are compared: at most one a request.)"""
         self._blocks[bid] = block
         self._by_key[block.key] = bid
         if block.parent == ROOT:
             return
-        for other in [b for b in itertools.islice(self._siblings.get(block.sibling_key, ()),
-                                                   PARTIAL_CANDIDATES)
+        key = block.sibling_key
+        for other in [b for b in self._unfinished.get(key, ())
                       if self._blocks[b].refs == 0
                       and len(self._blocks[b].tokens) < len(block.tokens)
                       and block.tokens.startswith(self._blocks[b].tokens)]:
-            self._forget(other)  # (may leave the siblings' set empty, and delete it)
-        self._siblings.setdefault(block.sibling_key, set()).add(bid)
+            self._forget(other)  # (may leave the lists empty, and delete them)
+        self._siblings.setdefault(key, {})[bid] = None
+        if len(block.tokens) < self.block_tokens * 8:
+            self._unfinished.setdefault(key, {})[bid] = None
 
     def _unlist(self, block: _Block, bid: int) -> None:
         del self._by_key[block.key]
         if block.parent == ROOT:
             return
-        here = self._siblings[block.sibling_key]
-        here.discard(bid)
-        if not here:
-            del self._siblings[block.sibling_key]
+        for index in (self._siblings, self._unfinished):
+            here = index.get(block.sibling_key)
+            if here is not None:
+                here.pop(bid, None)
+                if not here:
+                    del index[block.sibling_key]
 
     def _acquire(self, bid: int) -> None:
         b = self._blocks[bid]

@@ -72,3 +72,18 @@ class SlotRows:
         (0: none; the slot is empty for its prefill)."""
         self._tokens.pop(slot, None)
         kv.reuse(slot, rows)
+
+
+def pending_prefixes(unsaved: dict, kv, slot: int, ids: list[int], prefix) -> list[int]:
+    """The free slots other than ``slot`` whose rows still wait for the prefix cache
+    (``unsaved``: slot -> (the KV cache then, their tokens)) and hold more of ``ids``' prefix
+    than the cache (``prefix``) has: copied first, they serve ``ids`` (a conversation's next
+    turn admitted into another slot than the one its last turn left)."""
+    limit = len(ids) - 1  # (a match leaves one token)
+    found = [(s, common_prefix(tokens, ids, min(int(kv.retained[s]), limit)))
+             for s, (was, tokens) in unsaved.items() if s != slot and was is kv]
+    found = [(s, n) for s, n in found if n > prefix.block_tokens]
+    if not found:
+        return []
+    have = prefix.cached_tokens(ids)
+    return [s for s, n in found if n > have]

@@ -142,9 +142,20 @@ def test_many_blocks_parting_after_one_prefix_are_compared_a_bounded_number():
 
     cache, kv = new_cache(256), KVBuffers(CFG, 1)
     head = list(range(100, 116)) + [7, 8, 9]  # a whole block, then 3 shared tokens
-    for i in range(3 * PARTIAL_CANDIDATES):
-        serve(cache, kv, head + [1000 + i] * 5)
+    n = 3 * PARTIAL_CANDIDATES
+    prompts = [head + [1000 + i] * 5 for i in range(n)]
+    for p in prompts:  # each one's unfinished block: 8 rows (3 shared, 5 its own)
+        serve(cache, kv, p)
     assert serve(cache, kv, head + [5000]) == len(head)
+    assert serve(cache, kv, prompts[-1] + [1]) == len(prompts[-1])  # the newest are compared
+    # the requests leave with 4 more tokens each: every 8-row block gives way to the 12-row
+    # block that begins with it, also past the compared ones (1 + n blocks, not 1 + 2n)
+    for i, p in enumerate(prompts):
+        longer = p + [2000 + i] * 4
+        kv.clear(0)
+        prefill(kv, 0, longer)
+        cache.insert(kv, 0, longer)
+    assert cache.cached_blocks == 1 + n + 2  # (+ the two probes' blocks)
     cache.check()
 
 

@@ -357,10 +357,38 @@ def test_a_turn_taking_part_of_the_rows_leaves_the_rest_to_the_pool(lm, monkeypa
         part = history[:49] + [history[49] ^ 1, 3, 4]  # takes 49 rows over: all whole blocks
         (h,) = fast.submit_many([request(part, 2)])
         assert list(h)[-1].cached_tokens == 49
-        _settled(fast)
-        fast.stop()  # (the test reads the pool: the engine's thread owns it)
+        fast.stop()  # (the test reads the pool: the engine's thread owns it; the finished
+        # request's rows were copied at the second one's admission, not at an idle moment)
         assert _pool_covers(fast, history[:rows]) == rows
     finally:
+        fast.stop()
+
+
+def test_a_turn_in_another_slot_finds_the_rows_its_last_one_left(lm, monkeypatch):
+    """Two conversations end together and their rows wait in their slots for the pool; the
+    second one's next turn is admitted into the first one's slot. The rows its own last turn
+    left in the other slot are copied into the pool first, so it restores all of them (not
+    only what its prompt put there), with the plain engine's tokens."""
+    import kvserve.server.engine as E
+
+    monkeypatch.setattr(E, "SAVE_WHEN_IDLE_AFTER", 30.0)  # no idle save during the test
+    plain, fast = _engine(lm, 0, 0), _engine(lm, 64, 0)
+    try:
+        def request(prompt):
+            return GenerateRequest(list(prompt), SamplingParams(),
+                                   StopParams(max_new_tokens=12, ignore_eos=True),
+                                   OutputParams())
+        a, b = list(PROMPTS[5]), [x + 3 for x in PROMPTS[5]]
+        replies = _tokens(_run(fast, [request(a), request(b)]))
+        assert sorted(fast.runner._unsaved) == [0, 1]  # (both wait: no idle moment)
+        turn = b + replies[1] + [7, 8, 9]
+        (h,) = fast.submit_many([request(turn)])
+        events = list(h)
+        assert events[-1].cached_tokens == len(b) + len(replies[1]) - 1
+        assert [e.token_id for e in events if isinstance(e, TokenEvent)] == \
+            _tokens(_run(plain, [request(turn)]))[0]
+    finally:
+        plain.stop()
         fast.stop()
 
 
