@@ -189,9 +189,10 @@ class PrefixCache:
                 self._lru[bid] = None
 
     def insert(self, kv, slot: int, tokens) -> int:
-        """Register the full blocks of ``tokens`` whose rows ``slot`` holds (its first
-        ``kv.used[slot]`` rows must be exactly these tokens' rows, in order), copying the
-        blocks not cached yet into the pool (one device copy). Blocks already cached are
+        """Register the blocks of ``tokens`` whose rows ``slot`` holds (its first
+        ``kv.used[slot]`` rows must be exactly these tokens' rows, in order; the last block
+        unfinished where a whole one comes before it), copying the blocks not cached yet into
+        the pool (one device copy). Blocks already cached are
         refreshed in the LRU order. When every block is referenced, fewer blocks (a shorter
         prefix) are cached. Returns the number of blocks copied."""
         return self.insert_many(kv, [(slot, tokens)])
