@@ -304,7 +304,7 @@ class ModelRunner:
             for slot in slots:
                 was, tokens = self._unsaved[slot]
                 rows = int(kv.retained[slot]) if was is kv else 0  # (a new cache: gone)
-                if rows >= self.prefix.block_tokens:
+                if self.prefix.cacheable(rows):
                     used[slot] = int(kv.used[slot])
                     kv.used[slot] = rows
                     items.append((slot, tokens[:rows]))
@@ -321,14 +321,12 @@ class ModelRunner:
         slot retains: the rows that wait for the prefix cache go there first (one copy for
         all the slots), unless the ones taken over hold all the rows the pool would cache of
         them (the sequence's prompt, cached after its first token, begins with them)."""
-        bt, save = self.prefix.block_tokens, []
+        save = []
         for slot in slots:
             waiting = self._unsaved.get(slot)
             if waiting is None:
                 continue
-            kept = min(len(waiting[1]), int(kv.retained[slot]))
-            # (what the pool would cache of them: to the token past a whole block)
-            cached = kept if self.prefix.to_the_token and kept > bt else kept // bt * bt
+            cached = self.prefix.cacheable(min(len(waiting[1]), int(kv.retained[slot])))
             if rows >= cached and waiting[0] is kv:
                 del self._unsaved[slot]
             else:

@@ -165,6 +165,13 @@ class PrefixCache:
         bid = self._by_key.get(key)
         return bid is not None and self._blocks[bid].tokens == chunk
 
+    def cacheable(self, rows: int) -> int:
+        """How many of a slot's first ``rows`` rows ``insert`` caches: all of them past a whole
+        block (to the token), else whole blocks only (an unfinished first block could serve no
+        match; ``to_the_token`` False: always whole blocks)."""
+        whole = rows // self.block_tokens * self.block_tokens
+        return rows if self.to_the_token and rows > self.block_tokens else whole
+
     def restore(self, kv, slot: int, blocks: list[int], rows: int) -> int:
         """The blocks' first ``rows`` rows (``match``'s count: the last block may count
         fewer than its size) into the empty ``slot`` (its ``used`` becomes ``rows``); the rest
@@ -206,13 +213,9 @@ class PrefixCache:
         pool_blocks: list[int] = []
         try:
             for slot, tokens in items:
-                rows = min(len(tokens), int(kv.used[slot]))
+                rows = self.cacheable(min(len(tokens), int(kv.used[slot])))
                 parent = ROOT
-                # (an unfinished block after a whole one only: one at the root, a prompt of
-                # fewer than block_tokens, could serve no match)
-                unfinished = self.to_the_token and rows > self.block_tokens
-                for j, (key, chunk) in enumerate(self._chain(tokens, rows,
-                                                             partial=unfinished)):
+                for j, (key, chunk) in enumerate(self._chain(tokens, rows)):
                     bid = self._by_key.get(key)
                     if bid is not None and self._blocks[bid].tokens != chunk:
                         break  # a hash collision: keep the cached block, stop here
@@ -331,13 +334,12 @@ class PrefixCache:
                 best, most = bid, lo
         return best, most
 
-    def _chain(self, tokens, n_tokens: int, partial: bool = False):
+    def _chain(self, tokens, n_tokens: int):
         """(key, token bytes) of the blocks of ``tokens``' first ``n_tokens``, lazily (a
         lookup stops at the first miss): one conversion of the ids to bytes, then one
-        blake2b per block over a slice of them; the last block shorter than the others
-        with ``partial``, else only whole blocks."""
+        blake2b per block over a slice of them; the last block shorter than the others where
+        ``n_tokens`` is not a multiple of ``block_tokens``."""
         bt = self.block_tokens
-        n_tokens = n_tokens if partial else n_tokens // bt * bt
         if n_tokens <= 0:
             return
         step = bt * 8
