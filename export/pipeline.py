@@ -93,9 +93,10 @@ def export_artifacts(ckpt: str | Path, out: str | Path, *, precision: str = "fp3
         if transformed:
             label = precision + ("+optimized" if optimize else "")
             bar.set_description(f"parity {label}")
-            _gate_transformed(model, tmp, kind, specs, (precision, label),
-                              (prompts, parity_steps), (parity, ppl, eval_ids), threads,
-                              attention, max_ppl_increase)
+            parity[label], got = _gate_transformed(model, tmp, kind, specs, precision, prompts,
+                                                   parity_steps, eval_ids, threads, attention)
+            if got is not None:
+                _perplexity_gate(ppl, label, got, max_ppl_increase)
             bar.update()
 
         bar.set_description("manifest")
@@ -147,16 +148,13 @@ def _graph_kind(cfg, portable: bool, precision: str, block: int | None, paired: 
     return kind, why_portable
 
 
-def _gate_transformed(model, tmp: Path, kind: str, specs, precision_label: tuple[str, str],
-                      runs: tuple, results: tuple, threads, attention: bool,
-                      max_ppl_increase: float) -> None:
-    """The parity gate (and perplexity gate) of the transformed graphs in ``tmp`` (another
-    precision, or optimized offline): their report joins ``results``' parity and perplexity
-    dicts under ``label``, as ``runs`` ((prompts, steps)) measured the fp32 graphs."""
-    (precision, label), (prompts, parity_steps) = precision_label, runs
-    parity, ppl, eval_ids = results
-    cfg = model.cfg
-    _graphs_manifest(tmp, cfg, kind, specs, kv_dtype=_kv_dtype(kind, precision))
+def _gate_transformed(model, tmp: Path, kind: str, specs, precision: str, prompts,
+                      parity_steps: int, eval_ids, threads, attention: bool
+                      ) -> tuple[dict, float | None]:
+    """The parity gate of the transformed graphs in ``tmp`` (another precision, or optimized
+    offline), on the prompts the fp32 graphs were measured on: (its report, their perplexity
+    on ``eval_ids``, None without them)."""
+    _graphs_manifest(tmp, model.cfg, kind, specs, kv_dtype=_kv_dtype(kind, precision))
     lm = load_lm(tmp, provider="cpu", threads=threads, attention=attention)
     report = measure(model, lm, prompts, parity_steps,
                      attention=attention and precision == "fp32")
@@ -164,10 +162,8 @@ def _gate_transformed(model, tmp: Path, kind: str, specs, precision_label: tuple
         gate(report, FP32_TOLERANCE)
     elif precision == "fp16":
         gate(report, prec.FP16_TOLERANCE, require_tokens=False)
-    parity[label] = report.to_dict()
-    if eval_ids:
-        _perplexity_gate(ppl, label, prec.perplexity(lm, eval_ids, cfg.max_seq_len),
-                         max_ppl_increase)
+    return report.to_dict(), (prec.perplexity(lm, eval_ids, model.cfg.max_seq_len)
+                              if eval_ids else None)
 
 
 def _check_args(ckpt: Path, out: Path, overwrite: bool, eval_text, parity_steps: int,
