@@ -116,6 +116,10 @@ class Engine:
         if getattr(lm, "device", "cpu") != "cpu":  # (scheduler.PAD_TOKENS: measured on CPU)
             self.sched.pad_tokens = None
         self.prefix, self.spec = self._speedups(prefix_cache_bytes, speculative_tokens)
+        # a Score request's sequences that begin alike prefill their shared tokens once
+        # (server.scoring): where rows are shared at all, and the graph feeds slots that
+        # hold rows already in one call
+        self.score_shares = self.prefix is not None and self.lm.kind == "fused"
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \
             if fast_forward and getattr(lm, "supports_verify", False) and not self.inexact \
@@ -407,7 +411,8 @@ class Engine:
                                         and time.monotonic() >= job.req.deadline):
                 raise concurrent.futures.CancelledError()
             if job.steps is None:
-                job.steps = score_steps(self.lm, job.req, self.chunk_tokens)
+                job.steps = score_steps(self.lm, job.req, self.chunk_tokens,
+                                        share=self.score_shares)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results
             job.future.set_result(done.value)

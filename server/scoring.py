@@ -1,5 +1,14 @@
 """Score: per-token log-probabilities of given sequences (prompt scoring), one model call at
-a time so that generation goes on between calls."""
+a time so that generation goes on between calls.
+
+Sequences of one request that begin alike (a context scored with several continuations: the
+choices of a multiple-choice question, a few-shot header) compute their shared first tokens
+once, where the engine shares rows at all (``share``: the prefix cache's switch and exactness
+rule): the shared tokens are prefilled in a slot of their own, whose rows each member then
+takes (a device copy) before its own tokens are fed after them. A shared row's logits are
+those of its position in every member (they depend on the tokens before it only), so the
+members' log-probabilities there are one log-softmax; after it, the rows are the prefix
+cache's (fp32: within ~1e-6 of one prefill of the whole sequence)."""
 from __future__ import annotations
 
 from typing import Generator
@@ -12,6 +21,9 @@ from .domain import ScoredSequence, ScoreRequest
 
 _BLOCK_FLOATS = 1 << 22  # logits per log-softmax call (its output, 16 MB, is held beside them)
 _SCORE_GROUP = 512  # tokens per shared prefill: bigger batches fall out of cache
+_CLUSTER_ROWS = 2048  # KV rows a cluster's private cache holds (or one sequence's)
+MIN_SHARED = 16  # first tokens sequences must share to be prefilled as one (the prefix
+# cache's block: fewer save less than the call and the copies cost)
 
 
 class _Scored:
@@ -27,36 +39,101 @@ class _Scored:
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1])."""
-        t = min(len(rows), len(self.ids) - 1 - start)
-        if t <= 0:
-            return
-        block = max(1, _BLOCK_FLOATS // rows.shape[-1])
-        for a in range(0, t, block):
-            b = min(a + block, t)
-            lp = self.log_softmax(rows[a:b])  # (b - a, V)
-            target = np.asarray(self.ids[start + a + 1:start + b + 1], np.int64)
-            self.lps[start + a:start + b] = lp[np.arange(b - a), target]
-            for j in range(b - a if self.n_top else 0):
-                self.tops_i[start + a + j], self.tops_l[start + a + j] = top_n(lp[j],
-                                                                               self.n_top)
+        record_rows(start, rows, [self])
 
     def result(self) -> ScoredSequence:
         return ScoredSequence(len(self.ids), np.asarray(self.ids[1:], np.int64), self.lps,
                               self.tops_i, self.tops_l)
 
 
-def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
+def record_rows(start: int, rows: np.ndarray, scored: list[_Scored]) -> None:
+    """rows (t, V): logits at positions start.. of every sequence of ``scored`` (rows they
+    share: their tokens up to start + t - 1 are the same), each row's log-softmax and top
+    ids computed once for all of them; row j predicts each sequence's own ids[start + j + 1]
+    (the last shared row predicts the first token where they part)."""
+    need = max(min(len(rows), len(s.ids) - 1 - start) for s in scored)
+    if need <= 0:
+        return
+    n_top = scored[0].n_top  # (one request's sequences: one top_logprobs)
+    block = max(1, _BLOCK_FLOATS // rows.shape[-1])
+    for a in range(0, need, block):
+        b = min(a + block, need)
+        lp = scored[0].log_softmax(rows[a:b])  # (b - a, V)
+        tops = [top_n(lp[j], n_top) for j in range(b - a)] if n_top else []
+        for s in scored:
+            t = min(b, len(s.ids) - 1 - start)  # (a shorter sequence ends inside the block)
+            if t <= a:
+                continue
+            target = np.asarray(s.ids[start + a + 1:start + t + 1], np.int64)
+            s.lps[start + a:start + t] = lp[np.arange(t - a), target]
+            for j in range(t - a if n_top else 0):
+                s.tops_i[start + a + j], s.tops_l[start + a + j] = tops[j]
+
+
+def common_prefix(a, b) -> int:
+    """How many first tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    x, y = np.asarray(a[:n]), np.asarray(b[:n])
+    return int(np.argmax(x != y))
+
+
+def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED
+                    ) -> tuple[list[tuple[int, list[int]]], list[int]]:
+    """Among the sequences ``idx`` of ``seqs``: clusters of two or more that share their first
+    ``length`` >= ``min_shared`` tokens, as [(length, members)], and the sequences in none.
+
+    In token order neighbours share the most; a run of them is one cluster while the tokens it
+    saves (length x (members - 1)) do not shrink by taking the next one in, so that a few-shot
+    header shared by every question wins over the choices of one question where that saves
+    more, and not the other way round. One level: the members' own tokens after the shared
+    ones are prefilled each in full."""
+    order = sorted(idx, key=lambda i: seqs[i])
+    clusters: list[tuple[int, list[int]]] = []
+    rest: list[int] = []
+    run: list[int] = []
+    length = 0
+
+    def close() -> None:
+        if len(run) > 1:
+            clusters.append((length, list(run)))
+        else:
+            rest.extend(run)
+
+    for i in order:
+        if run:
+            shared = min(length, common_prefix(seqs[run[-1]], seqs[i])) if len(run) > 1 \
+                else common_prefix(seqs[run[-1]], seqs[i])
+            if shared >= min_shared and shared * len(run) >= length * (len(run) - 1):
+                run.append(i)
+                length = shared
+                continue
+            close()
+        run, length = [i], 0
+    if run:
+        close()
+    return clusters, rest
+
+
+def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False
+                ) -> Generator[None, None, list]:
     """Score ``req`` with the runner ``lm``, one model call per ``next()`` (the engine
     interleaves generation steps); returns the ScoredSequence list (StopIteration.value).
 
-    Sequences short enough share prefills (each sequence in its own slot of a private cache)
-    whose logits (B x T x V) stay under ``cap`` tokens' worth; a longer one prefills its first
-    ``cap`` tokens, then the next chunks after them. Never more than one chunk of logits held."""
+    ``share``: sequences that begin alike compute their shared tokens once (the module's
+    docstring). The others, short enough, share prefills (each sequence in its own slot of a
+    private cache) whose logits (B x T x V) stay under ``cap`` tokens' worth; a longer one
+    prefills its first ``cap`` tokens, then the next chunks after them. Never more than one
+    chunk of logits held."""
     seqs = req.sequences
     group_cap = min(cap, _SCORE_GROUP)
     acc = [_Scored(ids, req.top_logprobs, lm.log_softmax) for ids in seqs]
-    short = sorted((i for i, ids in enumerate(seqs) if len(ids) <= cap),
-                   key=lambda i: len(seqs[i]))
+    clusters, alone = shared_clusters(seqs, list(range(len(seqs)))) if share \
+        else ([], list(range(len(seqs))))
+    for length, members in clusters:
+        yield from _score_cluster(lm, seqs, length, members, acc, cap)
+    short = sorted((i for i in alone if len(seqs[i]) <= cap), key=lambda i: len(seqs[i]))
     group: list[int] = []
     for i in short + [None]:
         if group and (i is None or (len(group) + 1) * len(seqs[i]) > group_cap):
@@ -65,7 +142,8 @@ def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
             yield
         if i is not None:
             group.append(i)
-    for ids, a in zip(seqs, acc):
+    for i in alone:
+        ids, a = seqs[i], acc[i]
         T = len(ids)
         if T <= cap:
             continue
@@ -81,6 +159,47 @@ def score_steps(lm, req: ScoreRequest, cap: int) -> Generator[None, None, list]:
                 a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
             yield
     return [a.result() for a in acc]
+
+
+def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_Scored],
+                   cap: int) -> Generator[None, None, None]:
+    """The members' shared first ``length`` tokens prefilled once into a slot of their own
+    (``cap`` tokens a call; the logits recorded for all members), then the members' own
+    tokens after device copies of those rows: as many members a call as ``_SCORE_GROUP``
+    tokens of logits allow, one whose own tokens pass that alone, ``cap`` tokens a call."""
+    group_cap = min(cap, _SCORE_GROUP)
+    # a member's last token is fed to no call (its row would predict nothing): one token
+    # after the shared ones is the last shared row's prediction, no call of its own
+    own = {m: seqs[m][length:-1] for m in members if len(seqs[m]) - 1 > length}
+    rest = sorted(own, key=lambda m: len(own[m]))
+    capacity = max(len(seqs[m]) for m in members) + 1
+    # slots for as many members as a call takes, their rows under _CLUSTER_ROWS (or one)
+    slots = max(1, min(len(rest), group_cap // len(own[rest[0]]) if rest else 1,
+                       _CLUSTER_ROWS // capacity))
+    home = slots  # the shared rows' slot, after those the members take in turn
+    kv = lm.new_cache(slots + 1, capacity=capacity)
+    shared = seqs[members[0]][:length]
+    for start in range(0, length, cap):
+        rows = lm.prefill(kv, home, [shared[start:start + cap]]).logits[0]
+        record_rows(start, rows, [acc[m] for m in members])
+        yield
+    while rest:
+        take = [rest.pop(0)]
+        while rest and len(take) < slots and \
+                (len(take) + 1) * len(own[rest[0]]) <= group_cap:
+            take.append(rest.pop(0))
+        for b in range(len(take)):
+            kv.move(home, b)  # the shared rows, copied on the device
+        if len(take) == 1:  # (alone: its own tokens in chunks of ``cap``)
+            tokens = own[take[0]]
+            for start in range(0, len(tokens), cap):
+                acc[take[0]].record(length + start, lm.extend(
+                    kv, 0, np.asarray(tokens[start:start + cap], np.int64)))
+                yield
+            continue
+        for m, rows in zip(take, lm.prefill(kv, 0, [own[m] for m in take]).logits):
+            acc[m].record(length, rows)
+        yield
 
 
 def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored]) -> None:

@@ -353,7 +353,25 @@ def test_prefix_tokens_measures_both_ways(tiny_artifact, monkeypatch):
     assert md.count("| tiny |") == 2
 
 
+def test_score_shared_measures_both_ways(tiny_artifact, monkeypatch):
+    """bench/score_shared.py on the tiny artifact (fewer questions, shorter contexts): every
+    cell timed both ways every round, the same logprobs both ways (1e-4)."""
+    import kvserve.bench.score_shared as S
+
+    for name, value in (("QUESTIONS", 2), ("CONTEXT", 40), ("HEADER", 30), ("LONG", 80)):
+        monkeypatch.setattr(S, name, value)
+    res = S.measure(tiny_artifact, rounds=2, threads=1)
+    for cell in S.CELLS:
+        c = res[cell]
+        assert c["ratio"] > 0 and all(len(c["ways"][w]["rounds_ms"]) == 2 for w in S.WAYS)
+        assert c["max_logprob_diff"] <= 1e-4, cell
+    md = S.render({"rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y", "date": "z",
+                   "sizes": {"tiny": res}})
+    assert md.count("| tiny |") == len(S.CELLS)
+
+
 @pytest.mark.parametrize("script, name", [("prefix_tokens", "prefix-tokens"),
+                                          ("score_shared", "score-shared"),
                                           ("burst_admission", "burst-admission"),
                                           ("shape_rounding", "shape-rounding")])
 def test_committed_tables_are_their_json_rendered(script, name):

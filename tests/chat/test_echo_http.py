@@ -46,6 +46,26 @@ def test_echo_max_tokens_0_is_the_prompt_scored(tools_oai, tools_artifact):
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
 
 
+def test_echo_of_prompts_sharing_a_context(tools_app, tools_oai, tools_artifact):
+    """lm-evaluation-harness's multiple choice in one request (a prompt list, echo,
+    max_tokens 0): a context with four continuations, scored with the shared tokens once
+    (server.scoring), each choice the torch model's own logprobs."""
+    tok = tools_artifact.tokenizer
+    context = tok.encode("def add(a, b):\n    return a + b\n\n" * 3 + "print(add(")
+    assert len(context) >= 16
+    prompts = [context + tok.encode(c) for c in ("1, 2))", "3, 4)", "a, b)", "x")]
+    assert tools_app.engine.score_shares
+    r = tools_oai.completions.create(model="artifact", prompt=prompts, echo=True, logprobs=1,
+                                     max_tokens=0)
+    assert len(r.choices) == 4
+    for c in r.choices:
+        ids = prompts[c.index]
+        assert c.logprobs.token_logprobs[0] is None
+        np.testing.assert_allclose(c.logprobs.token_logprobs[1:],
+                                   torch_logprobs(tools_artifact.model, ids), atol=TOL)
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+
+
 def test_echo_with_generation_appends_the_reply(tools_oai, tools_artifact):
     ids = tools_artifact.tokenizer.encode(PROMPT)
     kw = dict(model="artifact", prompt=PROMPT, logprobs=1, max_tokens=4, temperature=0)

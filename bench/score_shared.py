@@ -1,0 +1,158 @@
+"""Score requests whose sequences begin alike (a context scored with several continuations,
+as lm-evaluation-harness's multiple-choice tasks send them in a batch): their shared tokens
+computed once (``server/scoring.py``, the server's default) against every sequence computed
+whole, on the in-process engine with the server's defaults (fp32, ``bench/build.py``'s
+models).
+
+    python bench/score_shared.py [--sizes bench-6m bench-100m] [--rounds 7]
+                                 [--update-committed | --out FILE.json] [--render-only]
+
+One Score request a cell, new random tokens each round; the two ways take turns in
+alternating order (``Engine.score_shares``). Cells (tokens: context + continuation):
+
+- **choices**: ``QUESTIONS`` contexts of ``CONTEXT`` tokens, each with ``CHOICES``
+  continuations of 1-6 tokens;
+- **few-shot**: a ``HEADER``-token header shared by every question, then ``QUESTIONS``
+  questions of 30-50 tokens with ``CHOICES`` continuations of 1-6 tokens each;
+- **long context**: 2 contexts of ``LONG`` tokens (past the 100M model's Score chunk: each
+  sequence is scored in chunks when not shared), ``CHOICES`` continuations each.
+
+Figures: the request's wall time (median over rounds), the ratio (median of the rounds'
+unshared / shared: above 1, sharing is faster), and the largest logprob difference between
+the ways. Results: ``score-shared.json`` and ``.md`` (``--update-committed``:
+``bench/results/``; docs/speed.md quotes them).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.bench.common import parse_results_args, run_header, write_results
+
+QUESTIONS, CHOICES, CONTEXT, HEADER, LONG = 8, 4, 200, 150, 600
+WAYS = ("shared", "whole")
+
+
+def _choices(g, V: int) -> list[list[int]]:
+    out = []
+    for _ in range(QUESTIONS):
+        ctx = g.integers(2, V, CONTEXT).tolist()
+        out += [ctx + g.integers(2, V, int(g.integers(1, 7))).tolist() for _ in range(CHOICES)]
+    return out
+
+
+def _few_shot(g, V: int) -> list[list[int]]:
+    header = g.integers(2, V, HEADER).tolist()
+    out = []
+    for _ in range(QUESTIONS):
+        q = header + g.integers(2, V, int(g.integers(30, 51))).tolist()
+        out += [q + g.integers(2, V, int(g.integers(1, 7))).tolist() for _ in range(CHOICES)]
+    return out
+
+
+def _long(g, V: int) -> list[list[int]]:
+    out = []
+    for _ in range(2):
+        ctx = g.integers(2, V, LONG).tolist()
+        out += [ctx + g.integers(2, V, int(g.integers(1, 7))).tolist() for _ in range(CHOICES)]
+    return out
+
+
+CELLS = {"choices": _choices, "few-shot": _few_shot, "long context": _long}
+
+
+def _score(engine, seqs) -> tuple[float, list]:
+    from kvserve.server.domain import ScoreRequest
+
+    t0 = time.perf_counter()
+    _, fut = engine.submit_score(ScoreRequest(sequences=seqs))
+    res = fut.result()
+    return 1000 * (time.perf_counter() - t0), res
+
+
+def measure(artifact: Path, rounds: int, threads: int) -> dict:
+    from kvserve.bench.runner_kvserve import EngineRunner
+    from kvserve.server.config import ServerConfig
+
+    c = ServerConfig()
+    runner = EngineRunner(str(artifact), threads, prefix_cache_mb=c.prefix_cache_mb,
+                          speculative_tokens=c.speculative_tokens)
+    engine, V = runner.engine, runner.cfg.vocab_size
+    assert engine.score_shares, "the engine shares no rows with this artifact"
+    out = {"chunk_tokens": engine.chunk_tokens}
+    try:
+        _score(engine, _choices(np.random.default_rng(99), V))  # warm-up
+        for name, make in CELLS.items():
+            ms: dict[str, list] = {w: [] for w in WAYS}
+            diff = 0.0
+            for r in range(rounds):
+                seqs = make(np.random.default_rng([r, 11]), V)
+                got = {}
+                for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
+                    engine.score_shares = way == WAYS[0]
+                    t, got[way] = _score(engine, seqs)
+                    ms[way].append(t)
+                diff = max(diff, max(float(np.abs(a.logprobs - b.logprobs).max())
+                                     for a, b in zip(*got.values())))
+            engine.score_shares = True
+            out[name] = {"sequences": len(seqs), "tokens": sum(map(len, seqs)),
+                         "ways": {w: {"ms": float(np.median(v)),
+                                      "rounds_ms": [round(x, 2) for x in v]}
+                                  for w, v in ms.items()},
+                         "ratio": float(np.median([b / a for a, b in
+                                                   zip(ms[WAYS[0]], ms[WAYS[1]])])),
+                         "max_logprob_diff": diff}
+    finally:
+        engine.stop()
+    return out
+
+
+def render(data: dict) -> str:
+    out = ["# Score: sequences that begin alike", "",
+           f"`bench/score_shared.py`: one Score request a cell on the in-process engine with the "
+           f"server's defaults, the shared first tokens of its sequences computed once against "
+           f"every sequence whole (medians of {data['rounds']} alternating rounds; "
+           f"{data['cpu']}, {data['threads']} threads, onnxruntime {data['onnxruntime']}, "
+           f"{data['date']}; fp32), new random tokens each round.", "",
+           f"Choices: {QUESTIONS} contexts of {CONTEXT} tokens with {CHOICES} continuations of "
+           f"1-6 tokens each. Few-shot: a {HEADER}-token header, then {QUESTIONS} questions of "
+           f"30-50 tokens with {CHOICES} continuations of 1-6 tokens. Long context: 2 contexts "
+           f"of {LONG} tokens with {CHOICES} continuations each (past the 100M model's Score "
+           f"chunk, so each sequence whole is scored in chunks).", "",
+           "| size | cell | sequences (tokens) | shared | whole | ratio | largest logprob "
+           "difference |", "|---|---|---|---|---|---|---|"]
+    for size, cells in data["sizes"].items():
+        for name in CELLS:
+            c = cells[name]
+            a, b = (c["ways"][w]["ms"] for w in WAYS)
+            out.append(f"| {size} | {name} | {c['sequences']} ({c['tokens']:,}) | "
+                       f"{a:,.1f} ms | {b:,.1f} ms | {c['ratio']:.2f}× | "
+                       f"{c['max_logprob_diff']:.1e} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvserve.bench.build import build
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["bench-6m", "bench-100m"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    parsed = parse_results_args(ap, argv, "score-shared.json", render)
+    if parsed is None:
+        return 0
+    args, out = parsed
+    data = run_header(rounds=args.rounds, threads=args.threads, sizes={})
+    for size in args.sizes:
+        art = build(size, Path(args.cache), genai=False, int8=False).fp32
+        data["sizes"][size] = measure(art, args.rounds, args.threads)
+    write_results(out, data, render)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

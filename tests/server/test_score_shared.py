@@ -1,0 +1,158 @@
+"""Score: sequences of one request that begin alike prefill their shared tokens once
+(server.scoring.shared_clusters / _score_cluster), with the same numbers as scoring each
+sequence alone (torch, 1e-4) and the rows fed counted."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvserve_testing import ready_channel, running_app
+from kvserve.server.domain import ScoreRequest
+from kvserve.server.scoring import common_prefix, score_steps, shared_clusters
+from kvserve.v1 import inference_pb2 as pb
+from kvserve.v1 import inference_pb2_grpc as pb_grpc
+from test_score import check_scores
+
+
+def _ids(seed: int, n: int, vocab: int = 400) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([7], [8]) == 0
+
+
+def test_clusters_group_continuations_of_a_context():
+    ctx, other = _ids(1, 40), _ids(2, 30)
+    seqs = [ctx + [5], other + [9, 9], ctx + [6, 7], _ids(3, 20), ctx, other + [4], ctx + [5]]
+    clusters, rest = shared_clusters(seqs, list(range(len(seqs))))
+    got = sorted((n, sorted(m)) for n, m in clusters)
+    assert got == [(30, [1, 5]), (40, [0, 2, 4, 6])]
+    assert rest == [3]
+
+
+def test_clusters_need_the_shared_minimum():
+    a = _ids(4, 15)
+    seqs = [a + [1], a + [2], a[:10]]  # 15 shared tokens: under 16
+    assert shared_clusters(seqs, [0, 1, 2]) == ([], sorted([0, 1, 2], key=lambda i: seqs[i]))
+    assert shared_clusters(seqs, [0, 1], min_shared=15) == ([(15, [0, 1])], [])
+
+
+def test_clusters_keep_the_larger_saving():
+    """A few-shot header shared by three questions of four choices each: one cluster on the
+    header (saves 11 x 200 tokens) rather than one per question (3 x 3 x 230)."""
+    header = _ids(5, 200)
+    seqs = [header + _ids(10 + q, 30) + [c] for q in range(3) for c in range(4)]
+    clusters, rest = shared_clusters(seqs, list(range(len(seqs))))
+    assert rest == [] and len(clusters) == 1
+    assert clusters[0][0] == 200 and sorted(clusters[0][1]) == list(range(12))
+    # two questions' choices with little in common beyond one token: one cluster each
+    seqs = [_ids(20 + q, 60) + [c] for q in range(2) for c in range(3)]
+    clusters, rest = shared_clusters(seqs, list(range(6)))
+    assert rest == [] and sorted((n, sorted(m)) for n, m in clusters) == \
+        [(60, [0, 1, 2]), (60, [3, 4, 5])]
+
+
+def _fed(lm):
+    """Count the tokens every prefill of ``lm`` feeds (a spy around the real runner)."""
+    fed = []
+    real = lm.prefill
+
+    def prefill(kv, lo, prompts, *a, **kw):
+        fed.append(sum(len(p) for p in prompts))
+        return real(kv, lo, prompts, *a, **kw)
+    lm.prefill = prefill
+    return fed, real
+
+
+@pytest.fixture(scope="module")
+def lm(artifact):
+    from kvserve.artifact.loader import load_lm
+
+    return load_lm(artifact.dir, threads=2, attention=False)
+
+
+def _score(lm, req, cap, share):
+    """(the ScoredSequences, tokens fed) of ``req`` through ``score_steps``."""
+    fed, real = _fed(lm)
+    try:
+        steps = score_steps(lm, req, cap=cap, share=share)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value, sum(fed)
+    finally:
+        lm.prefill = real
+
+
+def _same(plain, shared, top):
+    for a, b in zip(plain, shared, strict=True):
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+        if top:
+            np.testing.assert_allclose(b.top_logprobs, a.top_logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("top", [0, 3])
+def test_shared_score_matches_plain(lm, top):
+    """The same request with and without sharing, on the served artifact's runner: every
+    logprob within 1e-5, the top ones too; the shared tokens fed once."""
+    ctx = _ids(6, 70)
+    seqs = [ctx + _ids(7, 9), ctx + [11], ctx, _ids(8, 25), ctx + _ids(9, 33), ctx + [11]]
+    req = ScoreRequest(seqs, top_logprobs=top)
+    (plain, fed_plain), (shared, fed_shared) = _score(lm, req, 512, False), \
+        _score(lm, req, 512, True)
+    assert fed_plain == sum(map(len, seqs))
+    # the context once, then what follows it but the last tokens (their rows predict nothing)
+    assert fed_shared == 70 + 8 + 25 + 32
+    _same(plain, shared, top)
+
+
+@pytest.mark.parametrize("cap,rows", [(16, None), (24, 100), (512, 100)])
+def test_shared_score_in_chunks_and_few_slots(lm, monkeypatch, cap, rows):
+    """Shared tokens and members' own ones longer than a call's logits (``cap``) go in
+    chunks; a cluster whose rows would pass ``_CLUSTER_ROWS`` takes its members one slot at
+    a time: the numbers of the whole sequences scored alone, 1e-5."""
+    from kvserve.server import scoring
+
+    if rows is not None:
+        monkeypatch.setattr(scoring, "_CLUSTER_ROWS", rows)
+    header = _ids(30, 50)
+    seqs = [header + _ids(31 + q, 12 + 7 * q) + [c, c + 1] for q in range(3) for c in (3, 4)]
+    seqs += [header + _ids(40, 45), _ids(41, 60), header]
+    req = ScoreRequest(seqs, top_logprobs=2)
+    (plain, _), (shared, fed) = _score(lm, req, 512, False), _score(lm, req, cap, True)
+    _same(plain, shared, 2)
+    own = sum(len(s) - 51 for s in seqs if s[:50] == header and len(s) > 51)
+    # (the stranger in one call whole, or in chunks but its last token)
+    assert fed == 50 + own + (60 if cap >= 60 else 59)
+
+
+def test_shared_score_over_grpc_vs_torch(stub, artifact):
+    """Over gRPC (the session's server, prefix cache on): two contexts with continuations,
+    one a bare context, duplicates and a stranger, top logprobs: torch's numbers (1e-4)."""
+    a, b = _ids(12, 48), _ids(13, 20)
+    seqs = [a + [40, 41], b + [7], a, a + _ids(14, 30), b + [7], _ids(15, 12), b + [8, 9, 10]]
+    resp = stub.Score(pb.ScoreRequest(token_ids=[pb.TokenIds(ids=s) for s in seqs],
+                                      top_logprobs=2))
+    check_scores(resp, artifact, seqs, top_n=2)
+
+
+def test_no_sharing_with_the_prefix_cache_off(artifact):
+    """``--prefix-cache-mb 0`` turns row sharing off, Score's too: every token is fed."""
+    with running_app(artifact, prefix_cache_mb=0) as app:
+        assert not app.engine.score_shares
+        ctx = _ids(16, 40)
+        seqs = [ctx + [1], ctx + [2, 3]]
+        fed, real = _fed(app.engine.lm)
+        try:
+            with ready_channel(app.port) as ch:
+                resp = pb_grpc.InferenceStub(ch).Score(
+                    pb.ScoreRequest(token_ids=[pb.TokenIds(ids=s) for s in seqs]))
+        finally:
+            app.engine.lm.prefill = real
+        check_scores(resp, artifact, seqs)
+        assert sum(fed) >= 41 + 42
