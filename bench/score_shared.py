@@ -1,21 +1,26 @@
 """Score requests whose sequences begin alike (a context scored with several continuations,
-as lm-evaluation-harness's multiple-choice tasks send them in a batch): their shared tokens
-computed once (``server/scoring.py``, the server's default) against every sequence computed
+as lm-evaluation-harness's multiple-choice tasks send them, in a batch or a request each):
+their shared tokens computed once (``server/scoring.py``; across requests through the prefix
+cache, ``server/score_cache.py``; the server's default) against every sequence computed
 whole, on the in-process engine with the server's defaults (fp32, ``bench/build.py``'s
 models).
 
     python bench/score_shared.py [--sizes bench-6m bench-100m] [--rounds 7]
                                  [--update-committed | --out FILE.json] [--render-only]
 
-One Score request a cell, new random tokens each round; the two ways take turns in
-alternating order (``Engine.score_shares``). Cells (tokens: context + continuation):
+One Score request a cell (the last: a request a sequence), new random tokens each round;
+the two ways take turns in alternating order (``Engine.score_shares``: off, nothing is
+shared, nor taken from or kept in the prefix cache). Cells (tokens: context + continuation):
 
 - **choices**: ``QUESTIONS`` contexts of ``CONTEXT`` tokens, each with ``CHOICES``
   continuations of 1-6 tokens;
 - **few-shot**: a ``HEADER``-token header shared by every question, then ``QUESTIONS``
   questions of 30-50 tokens with ``CHOICES`` continuations of 1-6 tokens each;
 - **long context**: 2 contexts of ``LONG`` tokens (past the 100M model's Score chunk: each
-  sequence is scored in chunks when not shared), ``CHOICES`` continuations each.
+  sequence is scored in chunks when not shared), ``CHOICES`` continuations each;
+- **few-shot, a request each**: the few-shot cell's sequences in a request each, one after
+  the other (lm-evaluation-harness's batch size 1): each takes the rows and
+  log-probabilities the earlier ones kept in the prefix cache.
 
 Figures: the request's wall time (median over rounds), the ratio (median of the rounds'
 unshared / shared: above 1, sharing is faster), and the largest logprob difference between
@@ -62,15 +67,24 @@ def _long(g, V: int) -> list[list[int]]:
     return out
 
 
-CELLS = {"choices": _choices, "few-shot": _few_shot, "long context": _long}
+def _one_each(g, V: int) -> list[list[int]]:
+    return _few_shot(g, V)
 
 
-def _score(engine, seqs) -> tuple[float, list]:
+CELLS = {"choices": _choices, "few-shot": _few_shot, "long context": _long,
+         "few-shot, a request each": _one_each}
+
+
+def _score(engine, seqs, one_each: bool = False) -> tuple[float, list]:
+    """(milliseconds, results) of one Score request of ``seqs`` (``one_each``: a request a
+    sequence, one after the other, as lm-evaluation-harness's batch size 1 sends them)."""
     from kvserve.server.domain import ScoreRequest
 
     t0 = time.perf_counter()
-    _, fut = engine.submit_score(ScoreRequest(sequences=seqs))
-    res = fut.result()
+    res = []
+    for part in ([[s] for s in seqs] if one_each else [seqs]):
+        _, fut = engine.submit_score(ScoreRequest(sequences=part))
+        res += fut.result()
     return 1000 * (time.perf_counter() - t0), res
 
 
@@ -94,7 +108,7 @@ def measure(artifact: Path, rounds: int, threads: int) -> dict:
                 got = {}
                 for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
                     engine.score_shares = way == WAYS[0]
-                    t, got[way] = _score(engine, seqs)
+                    t, got[way] = _score(engine, seqs, make is _one_each)
                     ms[way].append(t)
                 diff = max(diff, max(float(np.abs(a.logprobs - b.logprobs).max())
                                      for a, b in zip(*got.values())))
@@ -113,7 +127,8 @@ def measure(artifact: Path, rounds: int, threads: int) -> dict:
 
 def render(data: dict) -> str:
     out = ["# Score: sequences that begin alike", "",
-           f"`bench/score_shared.py`: one Score request a cell on the in-process engine with the "
+           f"`bench/score_shared.py`: one Score request a cell (the last: one a sequence) on the "
+           f"in-process engine with the "
            f"server's defaults, the shared first tokens of its sequences computed once against "
            f"every sequence whole (medians of {data['rounds']} alternating rounds; "
            f"{data['cpu']}, {data['threads']} threads, onnxruntime {data['onnxruntime']}, "
@@ -122,7 +137,9 @@ def render(data: dict) -> str:
            f"1-6 tokens each. Few-shot: a {HEADER}-token header, then {QUESTIONS} questions of "
            f"30-50 tokens with {CHOICES} continuations of 1-6 tokens. Long context: 2 contexts "
            f"of {LONG} tokens with {CHOICES} continuations each (past the 100M model's Score "
-           f"chunk, so each sequence whole is scored in chunks).", "",
+           f"chunk, so each sequence whole is scored in chunks). Few-shot, a request each: "
+           f"the few-shot sequences in a request each, one after the other (the time of all; "
+           f"shared: each takes what the earlier ones kept in the prefix cache).", "",
            "| size | cell | sequences (tokens) | shared | whole | ratio | largest logprob "
            "difference |", "|---|---|---|---|---|---|---|"]
     for size, cells in data["sizes"].items():

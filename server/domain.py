@@ -143,6 +143,7 @@ class ScoredSequence:
     logprobs: np.ndarray  # (T-1,) float32
     top_ids: np.ndarray | None = None  # (T-1, n)
     top_logprobs: np.ndarray | None = None  # (T-1, n)
+    cached_tokens: int = 0  # tokens whose rows and logprobs came from the prefix cache
 
     @property
     def sum(self) -> float:

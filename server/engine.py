@@ -412,9 +412,13 @@ class Engine:
                 raise concurrent.futures.CancelledError()
             if job.steps is None:
                 job.steps = score_steps(self.lm, job.req, self.chunk_tokens,
-                                        share=self.score_shares)
+                                        share=self.score_shares,
+                                        prefix=self.prefix if self.score_shares else None)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results
+            hit = sum(r.cached_tokens for r in done.value)
+            if hit:
+                self._metrics.prefix_hit(hit)
             job.future.set_result(done.value)
         except concurrent.futures.CancelledError:
             job.future.cancel()

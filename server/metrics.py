@@ -74,8 +74,8 @@ class Metrics:
             "requests whose bytes are not the request message, by RPC", ("rpc",))
         self.prefix_hits = LabelledCounter(r, p + "prefix_cache_hit_tokens_total",
                                            "prompt tokens whose KV rows came from the prefix "
-                                           "cache (a resumed stream's delivered tokens "
-                                           "included)")
+                                           "cache (a resumed stream's delivered tokens and "
+                                           "Score's included)")
         self.prefix_bytes = Gauge(p + "prefix_cache_bytes",
                                   "memory of the prefix cache's block pool", registry=r)
         self.spec_drafted = LabelledCounter(r, p + "spec_draft_tokens_total",

@@ -18,6 +18,9 @@ can cost a miss, never a wrong row.
 - ``insert(kv, slot, tokens)``: after a prefill (or when a sequence ends, its generated
   tokens too), the slot's blocks that are not cached yet, the unfinished last one too where a
   whole one comes before it, are copied into the pool (one device copy).
+- ``keep_scores(tokens, lps, ...)`` / ``scored_match(tokens, n_top)``: Score's log-probabilities
+  of a block's tokens kept with the block, and the longest run of blocks that has them
+  (``server.score_cache``).
 - Eviction: least recently used blocks with no references, when a new block needs room. A
   released chain enters the LRU order tail first, so a chain is evicted from its end and its
   first blocks (the most shared: system prompts) last.
@@ -49,9 +52,13 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 BLOCK_TOKENS = 16
 PARTIAL_CANDIDATES = 32  # blocks compared at most for the rows of one more block (``_partial``)
 ROOT = b""  # the parent key of a sequence's first block
+KEPT_TOP = 20  # top tokens a position keeps at most with its log-probability (Score; the
+# server's default --max-top-logprobs): ~4 KB a block of host memory beside the pool
 WARM_AHEAD_TOKENS = 2048  # the rows of never-used blocks kept resident ahead of use (host
 # pools): a long prompt's worth (6M bench model: 4 MB; 100M: 50 MB, within the pool's cap)
 WARM_CHUNK_BYTES = 1 << 20  # ... written per ``warm`` call (~0.5 ms of page faults)
@@ -103,6 +110,16 @@ def prefill_now(prompts: list, cached: list[int], block_tokens: int = BLOCK_TOKE
     return out
 
 
+@dataclass(frozen=True)
+class BlockScores:
+    """What a Score computed at a whole block's positions (``keep_scores``): each token's
+    log-probability given the tokens before it (a sequence's first token has none: 0, never
+    read) and the ``n`` most likely tokens there, ids and log-probabilities (n may be 0)."""
+    lps: np.ndarray  # (block_tokens,) float32
+    top_ids: np.ndarray  # (block_tokens, n) int64
+    top_lps: np.ndarray  # (block_tokens, n) float32
+
+
 @dataclass
 class _Block:
     key: bytes
@@ -110,6 +127,9 @@ class _Block:
     # block_tokens of them: a block a sequence left unfinished)
     parent: bytes = ROOT  # the key of the block before it
     refs: int = 0
+    scores: BlockScores | None = None  # its positions' log-probabilities, where a Score kept
+    # them (a property of the prefix, as the rows are; host memory, ~4 KB a block at most:
+    # ``KEPT_TOP``)
 
     @property
     def sibling_key(self) -> tuple[bytes, bytes]:
@@ -239,6 +259,50 @@ class PrefixCache:
         finally:
             self.release(chain)
         return len(pool_blocks)
+
+    def scored_match(self, tokens, n_top: int) -> tuple[list[int], list[BlockScores]]:
+        """Score's ``match``: the longest run of whole cached blocks from ``tokens``' start
+        whose positions a Score kept (``keep_scores``) with ``n_top`` top tokens or more:
+        (block ids, their scores), the whole of ``tokens`` possibly. Referenced until
+        ``release``."""
+        blocks: list[int] = []
+        scores: list[BlockScores] = []
+        bt = self.block_tokens
+        for key, chunk in self._chain(tokens, len(tokens) // bt * bt):
+            bid = self._by_key.get(key)
+            b = None if bid is None else self._blocks[bid]
+            if b is None or b.tokens != chunk or b.scores is None or \
+                    b.scores.top_ids.shape[1] < n_top:
+                break
+            blocks.append(bid)
+            scores.append(b.scores)
+        for bid in blocks:
+            self._acquire(bid)
+        return blocks, scores
+
+    def keep_scores(self, tokens, lps, top_ids=None, top_lps=None) -> int:
+        """Keep a Score's log-probabilities of ``tokens`` (``lps[k]``: of tokens[k + 1]; the
+        top ones (len(tokens) - 1, n) likewise, or None; at most ``KEPT_TOP`` of them) with
+        the cached whole blocks of ``tokens`` (``insert`` them first) that keep none, or fewer
+        top tokens. Returns how many blocks took them."""
+        bt, T = self.block_tokens, len(tokens)
+        n = 0 if top_ids is None else min(top_ids.shape[1], KEPT_TOP)
+        lp = np.zeros(T, np.float32)  # position p: tokens[p]'s (the first: none)
+        lp[1:] = lps[:T - 1]
+        ti, tl = np.zeros((T, n), np.int64), np.zeros((T, n), np.float32)
+        if n:  # (by descending log-probability: the first n are the n most likely)
+            ti[1:], tl[1:] = top_ids[:T - 1, :n], top_lps[:T - 1, :n]
+        kept = 0
+        for j, (key, chunk) in enumerate(self._chain(tokens, T // bt * bt)):
+            bid = self._by_key.get(key)
+            b = None if bid is None else self._blocks[bid]
+            if b is None or b.tokens != chunk:
+                break
+            if b.scores is None or b.scores.top_ids.shape[1] < n:
+                part = slice(j * bt, (j + 1) * bt)
+                b.scores = BlockScores(lp[part].copy(), ti[part].copy(), tl[part].copy())
+                kept += 1
+        return kept
 
     @property
     def warm_pending(self) -> bool:

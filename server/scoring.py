@@ -8,7 +8,8 @@ rule): the shared tokens are prefilled in a slot of their own, whose rows each m
 takes (a device copy) before its own tokens are fed after them. A shared row's logits are
 those of its position in every member (they depend on the tokens before it only), so the
 members' log-probabilities there are one log-softmax; after it, the rows are the prefix
-cache's (fp32: within ~1e-6 of one prefill of the whole sequence)."""
+cache's (fp32: within ~1e-6 of one prefill of the whole sequence). Across requests, the
+prefix cache holds Score's rows with their log-probabilities (``server.score_cache``)."""
 from __future__ import annotations
 
 from typing import Generator
@@ -18,6 +19,7 @@ import numpy as np
 from kvserve.model.sampling import top_n
 
 from .domain import ScoredSequence, ScoreRequest
+from .score_cache import keep, take_cached
 
 _BLOCK_FLOATS = 1 << 22  # logits per log-softmax call (its output, 16 MB, is held beside them)
 _SCORE_GROUP = 512  # tokens per shared prefill: bigger batches fall out of cache
@@ -36,6 +38,7 @@ class _Scored:
         self.lps = np.zeros(T - 1, np.float32)
         self.tops_i = np.zeros((T - 1, n_top), np.int64) if n_top else None
         self.tops_l = np.zeros((T - 1, n_top), np.float32) if n_top else None
+        self.cached = 0  # tokens taken from the prefix cache (server.score_cache)
 
     def record(self, start: int, rows: np.ndarray) -> None:
         """rows (t, V): logits at positions start.. (row j predicts ids[start + j + 1])."""
@@ -43,7 +46,7 @@ class _Scored:
 
     def result(self) -> ScoredSequence:
         return ScoredSequence(len(self.ids), np.asarray(self.ids[1:], np.int64), self.lps,
-                              self.tops_i, self.tops_l)
+                              self.tops_i, self.tops_l, self.cached)
 
 
 def record_rows(start: int, rows: np.ndarray, scored: list[_Scored]) -> None:
@@ -116,7 +119,7 @@ def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED
     return clusters, rest
 
 
-def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False
+def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False, prefix=None
                 ) -> Generator[None, None, list]:
     """Score ``req`` with the runner ``lm``, one model call per ``next()`` (the engine
     interleaves generation steps); returns the ScoredSequence list (StopIteration.value).
@@ -125,48 +128,60 @@ def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False
     docstring). The others, short enough, share prefills (each sequence in its own slot of a
     private cache) whose logits (B x T x V) stay under ``cap`` tokens' worth; a longer one
     prefills its first ``cap`` tokens, then the next chunks after them. Never more than one
-    chunk of logits held."""
+    chunk of logits held. ``prefix``: the engine's ``PrefixCache``, whose rows and
+    log-probabilities of earlier Score requests a sequence takes where it begins with them,
+    and which keeps each one's (``server.score_cache``)."""
     seqs = req.sequences
     group_cap = min(cap, _SCORE_GROUP)
     acc = [_Scored(ids, req.top_logprobs, lm.log_softmax) for ids in seqs]
     clusters, alone = shared_clusters(seqs, list(range(len(seqs)))) if share \
         else ([], list(range(len(seqs))))
     for length, members in clusters:
-        yield from _score_cluster(lm, seqs, length, members, acc, cap)
+        yield from _score_cluster(lm, seqs, length, members, acc, cap, prefix)
     short = sorted((i for i in alone if len(seqs[i]) <= cap), key=lambda i: len(seqs[i]))
     group: list[int] = []
     for i in short + [None]:
         if group and (i is None or (len(group) + 1) * len(seqs[i]) > group_cap):
-            _prefill_group(lm, [seqs[j] for j in group], [acc[j] for j in group])
+            yield from _prefill_group(lm, [seqs[j] for j in group], [acc[j] for j in group],
+                                      prefix)
             group = []
-            yield
         if i is not None:
             group.append(i)
     for i in alone:
-        ids, a = seqs[i], acc[i]
-        T = len(ids)
-        if T <= cap:
-            continue
-        kv = lm.new_cache(1, capacity=T + 1)  # private to this sequence
-        # LongRoPE past its limit: every chunk asks for the factors of the whole sequence
-        limit = lm.cfg.longrope_limit
-        kw = {"rope_length": T} if limit is not None and T > limit else {}
-        for start in range(0, T - 1, cap):  # one chunk per loop turn
-            chunk = ids[start:min(start + cap, T - 1)]
-            if start == 0 and not kw:
-                a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0])
-            else:
-                a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
-            yield
+        if len(seqs[i]) > cap:
+            yield from _score_long(lm, seqs[i], acc[i], cap, prefix)
     return [a.result() for a in acc]
 
 
+def _score_long(lm, ids: list[int], a: _Scored, cap: int, prefix
+                ) -> Generator[None, None, None]:
+    """A sequence past ``cap`` tokens: its first ``cap`` tokens (after what the pool gave),
+    then the next chunks after them."""
+    T = len(ids)
+    kv = lm.new_cache(1, capacity=T + 1)  # private to this sequence
+    first = take_cached(prefix, kv, 0, ids, [a], whole=True)
+    if first == T:
+        return
+    # LongRoPE past its limit: every chunk asks for the factors of the whole sequence
+    limit = lm.cfg.longrope_limit
+    kw = {"rope_length": T} if limit is not None and T > limit else {}
+    for start in range(first, T - 1, cap):  # one chunk per loop turn
+        chunk = ids[start:min(start + cap, T - 1)]
+        if start == 0 and not kw:
+            a.record(0, lm.prefill(kv, 0, [ids[:cap]]).logits[0])
+        else:
+            a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
+        yield
+    keep(prefix, kv, [(0, ids, a)])
+
+
 def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_Scored],
-                   cap: int) -> Generator[None, None, None]:
+                   cap: int, prefix) -> Generator[None, None, None]:
     """The members' shared first ``length`` tokens prefilled once into a slot of their own
-    (``cap`` tokens a call; the logits recorded for all members), then the members' own
-    tokens after device copies of those rows: as many members a call as ``_SCORE_GROUP``
-    tokens of logits allow, one whose own tokens pass that alone, ``cap`` tokens a call."""
+    (after what the pool gave; ``cap`` tokens a call; the logits recorded for all members;
+    then kept in the pool), then the members' own tokens after device copies of those rows:
+    as many members a call as ``_SCORE_GROUP`` tokens of logits allow, one whose own tokens
+    pass that alone, ``cap`` tokens a call."""
     group_cap = min(cap, _SCORE_GROUP)
     # a member's last token is fed to no call (its row would predict nothing): one token
     # after the shared ones is the last shared row's prediction, no call of its own
@@ -179,10 +194,13 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
     home = slots  # the shared rows' slot, after those the members take in turn
     kv = lm.new_cache(slots + 1, capacity=capacity)
     shared = seqs[members[0]][:length]
-    for start in range(0, length, cap):
+    scored = [acc[m] for m in members]
+    for start in range(take_cached(prefix, kv, home, shared, scored, whole=False), length,
+                       cap):
         rows = lm.prefill(kv, home, [shared[start:start + cap]]).logits[0]
-        record_rows(start, rows, [acc[m] for m in members])
+        record_rows(start, rows, scored)
         yield
+    keep(prefix, kv, [(home, shared, scored[0])])
     while rest:
         take = [rest.pop(0)]
         while rest and len(take) < slots and \
@@ -202,7 +220,25 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
         yield
 
 
-def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored]) -> None:
-    kv = lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs))
-    for logits, a in zip(lm.prefill(kv, 0, seqs).logits, acc):  # (T_b, V) each
-        a.record(0, logits)
+def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], prefix
+                   ) -> Generator[None, None, None]:
+    """Short sequences, each in a slot of one private cache after what the pool gave it, their
+    rests in one call (one each where the padding would pass the model's context); kept in
+    the pool after."""
+    kv = lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs) + 1)
+    fed: list[tuple[int, list[int], _Scored]] = []  # (start, ids, scored) by slot
+    for ids, a in zip(seqs, acc):
+        start = take_cached(prefix, kv, len(fed), ids, [a], whole=True)
+        if start < len(ids):  # (else scored from the pool alone: its slot serves the next)
+            fed.append((start, ids, a))
+    if not fed:
+        return
+    longest = max(len(ids) - start for start, ids, _ in fed)
+    calls = [list(range(len(fed)))] if max(start for start, _, _ in fed) + longest <= \
+        lm.cfg.max_seq_len else [[b] for b in range(len(fed))]
+    for slots in calls:
+        res = lm.prefill(kv, slots[0], [fed[b][1][fed[b][0]:] for b in slots]).logits
+        for b, rows in zip(slots, res):  # (T_b, V) each
+            fed[b][2].record(fed[b][0], rows)
+        yield
+    keep(prefix, kv, [(b, ids, a) for b, (_, ids, a) in enumerate(fed)])

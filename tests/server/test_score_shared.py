@@ -156,3 +156,116 @@ def test_no_sharing_with_the_prefix_cache_off(artifact):
             app.engine.lm.prefill = real
         check_scores(resp, artifact, seqs)
         assert sum(fed) >= 41 + 42
+
+
+# --- across requests: rows and log-probabilities kept in the prefix cache (server.score_cache)
+def _cache(lm, mib: float = 8):
+    from kvserve.artifact.prefix_pool import make_prefix_pool
+    from kvserve.server.prefix_cache import BLOCK_TOKENS, PrefixCache
+
+    return PrefixCache(make_prefix_pool(lm, int(mib * (1 << 20)), BLOCK_TOKENS))
+
+
+def _pooled(lm, prefix, seqs, top=0, cap=512):
+    """(ScoredSequences, tokens fed) of one request scored with ``prefix``."""
+    fed, real = _fed(lm)
+    try:
+        steps = score_steps(lm, ScoreRequest(seqs, top_logprobs=top), cap=cap, share=True,
+                            prefix=prefix)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value, sum(fed)
+    finally:
+        lm.prefill = real
+
+
+@pytest.mark.parametrize("cap", [512, 24])
+def test_later_requests_take_a_kept_context(lm, cap):
+    """One request a sequence (lm-evaluation-harness's batch size 1): a context of 70 tokens
+    with four continuations; after the first, each takes the context's kept whole blocks (64
+    tokens) and feeds from the last of them; numbers as scored alone (1e-5), top ones too."""
+    prefix = _cache(lm)
+    ctx = _ids(50, 70)
+    conts = [_ids(51, 5), [9], _ids(52, 40), _ids(53, 2)]
+    fed = []
+    for c in conts:
+        seqs = [ctx + c]
+        got, n = _pooled(lm, prefix, seqs, top=2, cap=cap)
+        plain, _ = _score(lm, ScoreRequest(seqs, top_logprobs=2), 512, False)
+        _same(plain, got, 2)
+        fed.append(n)
+    T = [70 + len(c) for c in conts]
+    assert fed[0] >= T[0] - 1
+    assert fed[1:] == [t - 63 - (1 if t - 1 > cap else 0) for t in T[1:]]
+    prefix.check()
+
+
+def test_kept_scores_need_enough_top_tokens(lm):
+    """A request asking for more top tokens than were kept computes them (and keeps its
+    own, at most ``KEPT_TOP``); fewer are served from the kept ones. A sequence wholly kept
+    feeds nothing."""
+    prefix = _cache(lm)
+    seq = _ids(60, 48)  # three whole blocks
+    _, fed = _pooled(lm, prefix, [seq], top=1)
+    assert fed == 48
+    # (more than KEPT_TOP top tokens: kept are 20, so each such request computes its own)
+    for top, want in ((3, 48), (2, 0), (0, 0), (3, 0), (25, 48), (25, 48), (20, 0)):
+        got, fed = _pooled(lm, prefix, [seq], top=top)
+        plain, _ = _score(lm, ScoreRequest([seq], top_logprobs=top), 512, False)
+        _same(plain, got, top)
+        assert fed == want, top
+        assert got[0].cached_tokens == (48 if want == 0 else 0)
+
+
+def test_a_cluster_takes_and_keeps_its_shared_tokens(lm):
+    """A request of several continuations keeps its shared context; the next request's
+    cluster on the same context takes it, and so does a lone sequence."""
+    prefix = _cache(lm)
+    ctx = _ids(70, 80)
+    first = [ctx + _ids(71 + i, 3) for i in range(3)]
+    _, fed = _pooled(lm, prefix, first)
+    assert fed == 80 + 3 * 2
+    second = [ctx + _ids(75 + i, 4) for i in range(3)]
+    third = [ctx[:50] + _ids(79, 6)]
+    for seqs, want in ((second, 1 + 3 * 3), (third, 56 - 47)):
+        got, fed = _pooled(lm, prefix, seqs, top=0)
+        plain, _ = _score(lm, ScoreRequest(seqs), 512, False)
+        _same(plain, got, 0)
+        # the context's 5 blocks: its last token fed again; then 3 blocks (48 tokens) of it
+        assert fed == want
+
+
+def test_a_small_pool_evicts_and_stays_right(lm):
+    """A pool of a few blocks under many requests: blocks evicted, none referenced after,
+    every number as scored alone."""
+    prefix = _cache(lm, mib=0.05)
+    assert 0 < prefix.pool.n_blocks < 12
+    g = np.random.default_rng(80)
+    ctxs = [_ids(81 + i, 40) for i in range(3)]
+    for r in range(12):
+        seqs = [ctxs[int(g.integers(3))] + _ids(100 + r * 4 + j, int(g.integers(1, 30)))
+                for j in range(int(g.integers(1, 4)))]
+        top = int(g.integers(0, 3))
+        got, _ = _pooled(lm, prefix, seqs, top=top)
+        plain, _ = _score(lm, ScoreRequest(seqs, top_logprobs=top), 512, False)
+        _same(plain, got, top)
+    assert prefix.evictions > 0 and prefix.referenced_blocks == 0
+    prefix.check()
+
+
+def test_score_over_grpc_keeps_its_rows_for_the_next(stub, app, artifact):
+    """Two Score calls on one context over gRPC: the second's numbers are torch's (1e-4),
+    the context's rows came from the server's prefix cache (its hit counter: the 4 blocks
+    but the last token, fed again)."""
+    ctx = _ids(90, 64)
+    hits = []
+    for cont in ([5, 6, 7], [8]):
+        seqs = [ctx + cont]
+        before = app.metrics.prefix_hits.get()
+        resp = stub.Score(pb.ScoreRequest(token_ids=[pb.TokenIds(ids=s) for s in seqs],
+                                          top_logprobs=1))
+        check_scores(resp, artifact, seqs, top_n=1)
+        hits.append(app.metrics.prefix_hits.get() - before)
+    assert hits == [0, 63]
