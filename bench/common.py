@@ -1,5 +1,6 @@
 """What the bench scripts share: where results go, what machine they ran on, and a process's
-memory from /proc. Imported by the other bench modules; imports none of them."""
+memory from /proc. Imported by the other bench modules; imports none of them (``fp32_sizes_main``
+builds the models through ``bench.build`` when called)."""
 from __future__ import annotations
 
 import os
@@ -103,6 +104,30 @@ def run_header(**fields) -> dict:
     return {**fields, "cpu": cpu_model(), "onnxruntime": md.version("onnxruntime"),
             "python": platform.python_version(),
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def fp32_sizes_main(doc: str, argv, name: str, render, measure) -> int:
+    """The ``main`` of a script measuring ``measure(artifact, rounds, threads)`` (its results'
+    entry for a size) on each bench size's fp32 artifact: ``--sizes``, ``--rounds``,
+    ``--threads`` and the results options (``parse_results_args``) into ``name``."""
+    import argparse
+
+    from .build import build
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["bench-6m", "bench-100m"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    parsed = parse_results_args(ap, argv, name, render)
+    if parsed is None:
+        return 0
+    args, out = parsed
+    data = run_header(rounds=args.rounds, threads=args.threads, sizes={})
+    for size in args.sizes:
+        art = build(size, Path(args.cache), genai=False, int8=False).fp32
+        data["sizes"][size] = measure(art, args.rounds, args.threads)
+    write_results(out, data, render)
+    return 0
 
 
 def versions() -> dict:

@@ -29,14 +29,13 @@ the ways. Results: ``score-shared.json`` and ``.md`` (``--update-committed``:
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import parse_results_args, run_header, write_results
+from kvserve.bench.common import fp32_sizes_main
 
 QUESTIONS, CHOICES, CONTEXT, HEADER, LONG = 8, 4, 200, 150, 600
 WAYS = ("shared", "whole")
@@ -153,22 +152,7 @@ def render(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvserve.bench.build import build
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", nargs="+", default=["bench-6m", "bench-100m"])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=2)
-    parsed = parse_results_args(ap, argv, "score-shared.json", render)
-    if parsed is None:
-        return 0
-    args, out = parsed
-    data = run_header(rounds=args.rounds, threads=args.threads, sizes={})
-    for size in args.sizes:
-        art = build(size, Path(args.cache), genai=False, int8=False).fp32
-        data["sizes"][size] = measure(art, args.rounds, args.threads)
-    write_results(out, data, render)
-    return 0
+    return fp32_sizes_main(__doc__, argv, "score-shared.json", render, measure)
 
 
 if __name__ == "__main__":

@@ -75,11 +75,11 @@ def lm(artifact):
     return load_lm(artifact.dir, threads=2, attention=False)
 
 
-def _score(lm, req, cap, share):
+def _score(lm, req, cap, share, prefix=None):
     """(the ScoredSequences, tokens fed) of ``req`` through ``score_steps``."""
     fed, real = _fed(lm)
     try:
-        steps = score_steps(lm, req, cap=cap, share=share)
+        steps = score_steps(lm, req, cap=cap, share=share, prefix=prefix)
         while True:
             try:
                 next(steps)
@@ -168,17 +168,7 @@ def _cache(lm, mib: float = 8):
 
 def _pooled(lm, prefix, seqs, top=0, cap=512):
     """(ScoredSequences, tokens fed) of one request scored with ``prefix``."""
-    fed, real = _fed(lm)
-    try:
-        steps = score_steps(lm, ScoreRequest(seqs, top_logprobs=top), cap=cap, share=True,
-                            prefix=prefix)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value, sum(fed)
-    finally:
-        lm.prefill = real
+    return _score(lm, ScoreRequest(seqs, top_logprobs=top), cap, True, prefix)
 
 
 @pytest.mark.parametrize("cap", [512, 24])
