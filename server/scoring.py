@@ -82,16 +82,16 @@ def common_prefix(a, b) -> int:
     return int(np.argmax(x != y))
 
 
-def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED
+def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED, base: int = 0
                     ) -> tuple[list[tuple[int, list[int]]], list[int]]:
     """Among the sequences ``idx`` of ``seqs``: clusters of two or more that share their first
     ``length`` >= ``min_shared`` tokens, as [(length, members)], and the sequences in none.
 
     In token order neighbours share the most; a run of them is one cluster while the tokens it
-    saves (length x (members - 1)) do not shrink by taking the next one in, so that a few-shot
-    header shared by every question wins over the choices of one question where that saves
-    more, and not the other way round. One level: the members' own tokens after the shared
-    ones are prefilled each in full."""
+    saves ((length - ``base``) x (members - 1); ``base``: first tokens they all have already)
+    do not shrink by taking the next one in, so that a few-shot header shared by every
+    question wins over the choices of one question where that saves more, and not the other
+    way round (``_score_cluster`` then clusters the members again, after the header)."""
     order = sorted(idx, key=lambda i: seqs[i])
     clusters: list[tuple[int, list[int]]] = []
     rest: list[int] = []
@@ -108,7 +108,8 @@ def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED
         if run:
             shared = min(length, common_prefix(seqs[run[-1]], seqs[i])) if len(run) > 1 \
                 else common_prefix(seqs[run[-1]], seqs[i])
-            if shared >= min_shared and shared * len(run) >= length * (len(run) - 1):
+            if shared >= min_shared and \
+                    (shared - base) * len(run) >= (length - base) * (len(run) - 1):
                 run.append(i)
                 length = shared
                 continue
@@ -183,11 +184,16 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
     as many members a call as ``_SCORE_GROUP`` tokens of logits allow, one whose own tokens
     pass that alone, ``cap`` tokens a call."""
     group_cap = min(cap, _SCORE_GROUP)
+    # members that share more among themselves (a question's choices after a few-shot
+    # header) form clusters of their own, after this one's rows are kept in the pool, where
+    # they take them (without the pool they would compute them again)
+    subs, loose = shared_clusters(seqs, members, length + MIN_SHARED, base=length) \
+        if prefix is not None else ([], members)
     # a member's last token is fed to no call (its row would predict nothing): one token
     # after the shared ones is the last shared row's prediction, no call of its own
-    own = {m: seqs[m][length:-1] for m in members if len(seqs[m]) - 1 > length}
+    own = {m: seqs[m][length:-1] for m in loose if len(seqs[m]) - 1 > length}
     rest = sorted(own, key=lambda m: len(own[m]))
-    capacity = max(len(seqs[m]) for m in members) + 1
+    capacity = max([length] + [len(seqs[m]) for m in loose]) + 1
     # slots for as many members as a call takes, their rows under _CLUSTER_ROWS (or one)
     slots = max(1, min(len(rest), group_cap // len(own[rest[0]]) if rest else 1,
                        _CLUSTER_ROWS // capacity))
@@ -218,6 +224,9 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
         for m, rows in zip(take, lm.prefill(kv, 0, [own[m] for m in take]).logits):
             acc[m].record(length, rows)
         yield
+    del kv  # (the sub-clusters' caches are made one at a time)
+    for sub_length, sub in subs:
+        yield from _score_cluster(lm, seqs, sub_length, sub, acc, cap, prefix)
 
 
 def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], prefix

@@ -259,3 +259,19 @@ def test_score_over_grpc_keeps_its_rows_for_the_next(stub, app, artifact):
         check_scores(resp, artifact, seqs, top_n=1)
         hits.append(app.metrics.prefix_hits.get() - before)
     assert hits == [0, 63]
+
+
+def test_a_cluster_clusters_its_members_again_after_the_pool_has_its_rows(lm):
+    """A few-shot header before six questions of three choices: one cluster on the header,
+    then each question's choices a cluster of their own, which takes the header from the
+    pool (its whole blocks: 64 tokens, the last fed again) and computes the question once;
+    without the pool each choice computes its question. Numbers as scored alone (1e-5)."""
+    header = _ids(110, 64)
+    seqs = [header + _ids(111 + q, 20) + [c, c + 1] for q in range(6) for c in (3, 4, 5)]
+    plain, _ = _score(lm, ScoreRequest(seqs, top_logprobs=2), 512, False)
+    got, fed = _pooled(lm, _cache(lm), seqs, top=2)
+    _same(plain, got, 2)
+    assert fed == 64 + 6 * ((84 - 63) + 3)
+    got, fed = _score(lm, ScoreRequest(seqs, top_logprobs=2), 512, True)  # (no pool)
+    _same(plain, got, 2)
+    assert fed == 64 + 18 * 21
