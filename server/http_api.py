@@ -301,10 +301,13 @@ class OpenAIApi:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
-    def _no_generation(parsed: Parsed, n: int) -> dict[int, FinishEvent]:
-        """max_tokens 0 (echo): every choice ends at once, by length."""
+    def _no_generation(parsed: Parsed, n: int, scored: list) -> dict[int, FinishEvent]:
+        """max_tokens 0 (echo): every choice ends at once, by length (its prompt's cached
+        tokens: those its scoring took from the prefix cache)."""
         return {i: FinishEvent(FinishReason.LENGTH, len(parsed.prompt_ids[i // parsed.n]), 0,
-                               "", Timings()) for i in range(n)}
+                               "", Timings(), cached_tokens=getattr(
+                                   scored[i // parsed.n], "cached_tokens", 0))
+                for i in range(n)}
 
     def _completion_choice(self, i: int, parsed: Parsed, f: FinishEvent,
                            evs: list[TokenEvent], scored: list) -> dict:
@@ -331,7 +334,7 @@ class OpenAIApi:
                        n: int, scored: list) -> web.Response:
         tokens: dict[int, list[TokenEvent]] = {i: [] for i in range(n)}
         finishes: dict[int, FinishEvent] = {} if parsed.generate else \
-            self._no_generation(parsed, n)
+            self._no_generation(parsed, n, scored)
         while len(finishes) < n:
             i, ev = await q.get()
             if isinstance(ev, TokenEvent):
@@ -381,7 +384,7 @@ class OpenAIApi:
         out = SseChoices(resp, parsed, rid, self.model, chat, n, self.lp)
         await out.start(scored)
         finishes: dict[int, FinishEvent] = {} if parsed.generate else \
-            self._no_generation(parsed, n)
+            self._no_generation(parsed, n, scored)
         for i, ev in finishes.items():
             await out.finish(i, ev)
         started = False

@@ -64,6 +64,14 @@ def test_echo_of_prompts_sharing_a_context(tools_app, tools_oai, tools_artifact)
         np.testing.assert_allclose(c.logprobs.token_logprobs[1:],
                                    torch_logprobs(tools_artifact.model, ids), atol=TOL)
     assert r.usage.prompt_tokens == sum(map(len, prompts))
+    # the same context again, a request a prompt: its whole blocks from the prefix cache
+    # (the last of their tokens fed again), in the usage's cached tokens
+    for p in prompts[:2]:
+        r = tools_oai.completions.create(model="artifact", prompt=p, echo=True, logprobs=1,
+                                         max_tokens=0)
+        np.testing.assert_allclose(r.choices[0].logprobs.token_logprobs[1:],
+                                   torch_logprobs(tools_artifact.model, p), atol=TOL)
+        assert r.usage.prompt_tokens_details.cached_tokens == len(context) // 16 * 16 - 1
 
 
 def test_echo_with_generation_appends_the_reply(tools_oai, tools_artifact):
