@@ -184,8 +184,18 @@ def token_logprobs(logits: np.ndarray, tok: int, n_top: int
 
 
 def top_n(logprobs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The n most likely ids and their logprobs, by descending logprob. logprobs: (V,)."""
-    n = min(n, logprobs.shape[-1])
-    idx = np.argpartition(-logprobs, n - 1)[:n]
+    """The n most likely ids and their logprobs, by descending logprob, equal ones by
+    ascending id (also across the cut: the first n of ``top_n(lp, m)`` for m > n are
+    ``top_n(lp, n)``, which a Score served from kept top tokens relies on). logprobs: (V,)."""
+    V = logprobs.shape[-1]
+    n = min(n, V)
+    if n < V:
+        part = np.argpartition(-logprobs, n)
+        idx, cut = part[:n], logprobs[part[n]]
+        if logprobs[idx].min() == cut:  # ties across the cut: the lowest ids among them
+            above = np.flatnonzero(logprobs > cut)
+            idx = np.concatenate([above, np.flatnonzero(logprobs == cut)[:n - len(above)]])
+    else:
+        idx = np.arange(V)
     idx = idx[np.lexsort((idx, -logprobs[idx]))]
     return idx, logprobs[idx]

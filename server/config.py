@@ -141,7 +141,9 @@ class ServerConfig:
                                            "chunks")
     prefix_cache_mb: int = _opt(256, "memory (MiB) of the prefix cache: KV rows of earlier "
                                      "prompts and outputs, reused by requests that begin with "
-                                     "the same tokens (allocated once; 0 = off)",
+                                     "the same tokens (allocated once; 0 = off; Score's "
+                                     "log-probabilities kept with its blocks take up to "
+                                     "~4 KB of host memory a block beside it)",
                                 limit="not an error: least recently used blocks are evicted")
     speculative_tokens: int = _opt(8, "most draft tokens a sequence verifies per step "
                                       "(n-gram speculative decoding: exact, adaptive, paused "

@@ -52,6 +52,7 @@ from .output import OutputProcessor
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
 from .rounding import diagnostics_apart, shape_sensitive
 from .scheduler import Scheduler
+from .score_cache import ScorePool
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
 from .fast_forward import FastForward
@@ -411,14 +412,12 @@ class Engine:
                                         and time.monotonic() >= job.req.deadline):
                 raise concurrent.futures.CancelledError()
             if job.steps is None:
-                job.steps = score_steps(self.lm, job.req, self.chunk_tokens,
-                                        share=self.score_shares,
-                                        prefix=self.prefix if self.score_shares else None)
+                job.steps = score_steps(
+                    self.lm, job.req, self.chunk_tokens, share=self.score_shares,
+                    pool=ScorePool(self.prefix, lambda n: self._metrics.prefix_hit(n))
+                    if self.score_shares else None)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results
-            hit = sum(r.cached_tokens for r in done.value)
-            if hit:
-                self._metrics.prefix_hit(hit)
             job.future.set_result(done.value)
         except concurrent.futures.CancelledError:
             job.future.cancel()

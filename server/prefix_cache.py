@@ -127,6 +127,7 @@ class _Block:
     # block_tokens of them: a block a sequence left unfinished)
     parent: bytes = ROOT  # the key of the block before it
     refs: int = 0
+    probation: bool = False  # kept by a Score and not used since: evicted before the others
     scores: BlockScores | None = None  # its positions' log-probabilities, where a Score kept
     # them (a property of the prefix, as the rows are; host memory, ~4 KB a block at most:
     # ``KEPT_TOP``)
@@ -151,6 +152,9 @@ class PrefixCache:
         self._unfinished: dict[tuple[bytes, bytes], dict[int, None]] = {}
         self._free: list[int] = list(range(pool.n_blocks - 1, -1, -1))  # never used yet
         self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks
+        # ... those on probation (a Score's, not used since), evicted first: one-off Score
+        # sequences only push out each other, never a chat's history (2Q's probation queue)
+        self._probation: OrderedDict[int, None] = OrderedDict()
         self.evictions = 0
         # False: whole blocks only, matched and cached (vLLM's way; the bench's comparison,
         # bench/prefix_tokens.py)
@@ -169,7 +173,7 @@ class PrefixCache:
         ``release(blocks)``."""
         blocks, covered = self._matched(tokens)
         for bid in blocks:
-            self._acquire(bid)
+            self._acquire(bid, used=True)
         return blocks, covered
 
     def cached_tokens(self, tokens) -> int:
@@ -213,7 +217,7 @@ class PrefixCache:
                 raise ValueError(f"block {bid} released more often than matched")
             b.refs -= 1
             if b.refs == 0:
-                self._lru[bid] = None
+                (self._probation if b.probation else self._lru)[bid] = None
 
     def insert(self, kv, slot: int, tokens) -> int:
         """Register the blocks of ``tokens`` whose rows ``slot`` holds (its first
@@ -224,10 +228,12 @@ class PrefixCache:
         prefix) are cached. Returns the number of blocks copied."""
         return self.insert_many(kv, [(slot, tokens)])
 
-    def insert_many(self, kv, items) -> int:
+    def insert_many(self, kv, items, probation: bool = False) -> int:
         """``insert`` for several (slot, tokens) at once: one device copy for all of their new
         blocks (a batched prefill's prompts; the sequences leaving at one step). A block two
-        of them share is copied once, from the first."""
+        of them share is copied once, from the first. ``probation`` (a Score's rows): the new
+        blocks are evicted before any other until a request takes them; otherwise a block on
+        probation found here is in use again (a generation made the same rows)."""
         chain: list[int] = []  # their blocks, held while evicting for the new ones
         blocks: list[tuple[int, int]] = []  # (slot, j) of each new block
         pool_blocks: list[int] = []
@@ -243,9 +249,11 @@ class PrefixCache:
                         bid = self._take()
                         if bid is None:
                             break  # every block is in use
-                        self._add(bid, _Block(key, chunk, parent))
+                        self._add(bid, _Block(key, chunk, parent, probation=probation))
                         blocks.append((slot, j))
                         pool_blocks.append(bid)
+                    else:
+                        self._blocks[bid].probation &= probation
                     self._acquire(bid)
                     chain.append(bid)
                     parent = key
@@ -277,7 +285,7 @@ class PrefixCache:
             blocks.append(bid)
             scores.append(b.scores)
         for bid in blocks:
-            self._acquire(bid)
+            self._acquire(bid, used=True)
         return blocks, scores
 
     def keep_scores(self, tokens, lps, top_ids=None, top_lps=None) -> int:
@@ -341,7 +349,11 @@ class PrefixCache:
         order) or referenced, exactly once, and (after a whole block) listed under its parent
         and first token."""
         assert len(self._by_key) == len(self._blocks) <= self.pool.n_blocks
-        assert set(self._lru) == {i for i, b in self._blocks.items() if b.refs == 0}
+        assert not set(self._lru) & set(self._probation)
+        assert set(self._lru) == {i for i, b in self._blocks.items()
+                                  if b.refs == 0 and not b.probation}
+        assert set(self._probation) == {i for i, b in self._blocks.items()
+                                        if b.refs == 0 and b.probation}
         assert not set(self._free) & set(self._blocks)
         assert len(self._free) + len(self._blocks) == self.pool.n_blocks
         assert all(self._by_key[b.key] == i for i, b in self._blocks.items())
@@ -446,11 +458,14 @@ class PrefixCache:
                 if not here:
                     del index[block.sibling_key]
 
-    def _acquire(self, bid: int) -> None:
+    def _acquire(self, bid: int, used: bool = False) -> None:
+        """A reference to ``bid``; ``used``: a request takes its rows (off probation)."""
         b = self._blocks[bid]
         if b.refs == 0:
             self._lru.pop(bid, None)
+            self._probation.pop(bid, None)
         b.refs += 1
+        b.probation = b.probation and not used
 
     def _take(self) -> int | None:
         """A block id for new rows: a never-used one, else the least recently used
@@ -460,9 +475,9 @@ class PrefixCache:
             self._warm.discard(bid)
             self._warmed = False  # (the blocks ahead moved on by one)
             return bid
-        if not self._lru:
+        if not self._lru and not self._probation:
             return None
-        bid, _ = self._lru.popitem(last=False)
+        bid, _ = (self._probation or self._lru).popitem(last=False)
         self._unlist(self._blocks.pop(bid), bid)
         self.evictions += 1
         return bid
@@ -472,5 +487,6 @@ class PrefixCache:
         if b is not None:
             self._unlist(b, bid)
             self._lru.pop(bid, None)
+            self._probation.pop(bid, None)
             self._free.append(bid)
             self._warmed = False

@@ -19,7 +19,7 @@ import numpy as np
 from kvserve.model.sampling import top_n
 
 from .domain import ScoredSequence, ScoreRequest
-from .score_cache import keep, take_cached
+from .score_cache import ScorePool
 
 _BLOCK_FLOATS = 1 << 22  # logits per log-softmax call (its output, 16 MB, is held beside them)
 _SCORE_GROUP = 512  # tokens per shared prefill: bigger batches fall out of cache
@@ -120,8 +120,8 @@ def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED, ba
     return clusters, rest
 
 
-def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False, prefix=None
-                ) -> Generator[None, None, list]:
+def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False,
+                pool: ScorePool | None = None) -> Generator[None, None, list]:
     """Score ``req`` with the runner ``lm``, one model call per ``next()`` (the engine
     interleaves generation steps); returns the ScoredSequence list (StopIteration.value).
 
@@ -129,7 +129,7 @@ def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False, prefix=Non
     docstring). The others, short enough, share prefills (each sequence in its own slot of a
     private cache) whose logits (B x T x V) stay under ``cap`` tokens' worth; a longer one
     prefills its first ``cap`` tokens, then the next chunks after them. Never more than one
-    chunk of logits held. ``prefix``: the engine's ``PrefixCache``, whose rows and
+    chunk of logits held. ``pool``: the engine's prefix cache, whose rows and
     log-probabilities of earlier Score requests a sequence takes where it begins with them,
     and which keeps each one's (``server.score_cache``)."""
     seqs = req.sequences
@@ -138,29 +138,29 @@ def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False, prefix=Non
     clusters, alone = shared_clusters(seqs, list(range(len(seqs)))) if share \
         else ([], list(range(len(seqs))))
     for length, members in clusters:
-        yield from _score_cluster(lm, seqs, length, members, acc, cap, prefix)
+        yield from _score_cluster(lm, seqs, length, members, acc, cap, pool)
     short = sorted((i for i in alone if len(seqs[i]) <= cap), key=lambda i: len(seqs[i]))
     group: list[int] = []
     for i in short + [None]:
         if group and (i is None or (len(group) + 1) * len(seqs[i]) > group_cap):
             yield from _prefill_group(lm, [seqs[j] for j in group], [acc[j] for j in group],
-                                      prefix)
+                                      pool)
             group = []
         if i is not None:
             group.append(i)
     for i in alone:
         if len(seqs[i]) > cap:
-            yield from _score_long(lm, seqs[i], acc[i], cap, prefix)
+            yield from _score_long(lm, seqs[i], acc[i], cap, pool)
     return [a.result() for a in acc]
 
 
-def _score_long(lm, ids: list[int], a: _Scored, cap: int, prefix
+def _score_long(lm, ids: list[int], a: _Scored, cap: int, pool: ScorePool | None
                 ) -> Generator[None, None, None]:
     """A sequence past ``cap`` tokens: its first ``cap`` tokens (after what the pool gave),
     then the next chunks after them."""
     T = len(ids)
     kv = lm.new_cache(1, capacity=T + 1)  # private to this sequence
-    first = take_cached(prefix, kv, 0, ids, [a], whole=True)
+    first = pool.take(kv, 0, ids, [a], whole=True) if pool else 0
     if first == T:
         return
     # LongRoPE past its limit: every chunk asks for the factors of the whole sequence
@@ -173,11 +173,12 @@ def _score_long(lm, ids: list[int], a: _Scored, cap: int, prefix
         else:
             a.record(start, lm.extend(kv, 0, np.asarray(chunk, np.int64), **kw))  # (t, V)
         yield
-    keep(prefix, kv, [(0, ids, a)])
+    if pool:
+        pool.keep(kv, [(0, ids, a)])
 
 
 def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_Scored],
-                   cap: int, prefix) -> Generator[None, None, None]:
+                   cap: int, pool: ScorePool | None) -> Generator[None, None, None]:
     """The members' shared first ``length`` tokens prefilled once into a slot of their own
     (after what the pool gave; ``cap`` tokens a call; the logits recorded for all members;
     then kept in the pool), then the members' own tokens after device copies of those rows:
@@ -188,7 +189,7 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
     # header) form clusters of their own, after this one's rows are kept in the pool, where
     # they take them (without the pool they would compute them again)
     subs, loose = shared_clusters(seqs, members, length + MIN_SHARED, base=length) \
-        if prefix is not None else ([], members)
+        if pool else ([], members)
     # a member's last token is fed to no call (its row would predict nothing): one token
     # after the shared ones is the last shared row's prediction, no call of its own
     own = {m: seqs[m][length:-1] for m in loose if len(seqs[m]) - 1 > length}
@@ -201,12 +202,13 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
     kv = lm.new_cache(slots + 1, capacity=capacity)
     shared = seqs[members[0]][:length]
     scored = [acc[m] for m in members]
-    for start in range(take_cached(prefix, kv, home, shared, scored, whole=False), length,
-                       cap):
+    first = pool.take(kv, home, shared, scored, whole=False) if pool else 0
+    for start in range(first, length, cap):
         rows = lm.prefill(kv, home, [shared[start:start + cap]]).logits[0]
         record_rows(start, rows, scored)
         yield
-    keep(prefix, kv, [(home, shared, scored[0])])
+    if pool:
+        pool.keep(kv, [(home, shared, scored[0])])
     while rest:
         take = [rest.pop(0)]
         while rest and len(take) < slots and \
@@ -226,10 +228,10 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
         yield
     del kv  # (the sub-clusters' caches are made one at a time)
     for sub_length, sub in subs:
-        yield from _score_cluster(lm, seqs, sub_length, sub, acc, cap, prefix)
+        yield from _score_cluster(lm, seqs, sub_length, sub, acc, cap, pool)
 
 
-def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], prefix
+def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], pool: ScorePool | None
                    ) -> Generator[None, None, None]:
     """Short sequences, each in a slot of one private cache after what the pool gave it, their
     rests in one call (one each where the padding would pass the model's context); kept in
@@ -237,7 +239,7 @@ def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], prefix
     kv = lm.new_cache(len(seqs), capacity=max(len(ids) for ids in seqs) + 1)
     fed: list[tuple[int, list[int], _Scored]] = []  # (start, ids, scored) by slot
     for ids, a in zip(seqs, acc):
-        start = take_cached(prefix, kv, len(fed), ids, [a], whole=True)
+        start = pool.take(kv, len(fed), ids, [a], whole=True) if pool else 0
         if start < len(ids):  # (else scored from the pool alone: its slot serves the next)
             fed.append((start, ids, a))
     if not fed:
@@ -250,4 +252,5 @@ def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], prefix
         for b, rows in zip(slots, res):  # (T_b, V) each
             fed[b][2].record(fed[b][0], rows)
         yield
-    keep(prefix, kv, [(b, ids, a) for b, (_, ids, a) in enumerate(fed)])
+    if pool:
+        pool.keep(kv, [(b, ids, a) for b, (_, ids, a) in enumerate(fed)])

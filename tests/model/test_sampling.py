@@ -146,3 +146,20 @@ def test_top_p_prefix_is_the_whole_orders(first, monkeypatch):
             probs = softmax(x.astype(np.float32))
             for top_p in (0.05, 0.5, 0.95, 0.9999999):
                 np.testing.assert_array_equal(S.top_p_prefix(probs, top_p), whole(probs, top_p))
+
+
+def test_top_n_breaks_ties_by_id_across_the_cut():
+    """Equal logprobs straddling the cut: the lowest ids, whatever n, so a shorter list is
+    the head of a longer one."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        lp = np.round(rng.normal(size=300), 1).astype(np.float32)  # many exact ties
+        lp[rng.integers(0, 300, 40)] = lp.max()
+        longest, vals = top_n(lp, 60)
+        assert list(vals) == sorted(vals, reverse=True)
+        for n in (1, 5, 20, 59):
+            ids, v = top_n(lp, n)
+            assert list(ids) == list(longest[:n]) and list(v) == list(vals[:n])
+        want = sorted(range(300), key=lambda i: (-lp[i], i))[:60]
+        assert list(longest) == want
+    assert list(top_n(np.zeros(4, np.float32), 9)[0]) == [0, 1, 2, 3]

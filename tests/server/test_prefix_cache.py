@@ -362,3 +362,40 @@ def test_a_device_pool_is_not_warmed():
     pool.lazy = False
     cache = PrefixCache(pool)
     assert not cache.warm_pending and cache.warm() == 0
+
+
+def test_blocks_on_probation_go_first_and_a_use_takes_them_off():
+    """A Score's blocks (``insert(..., probation=True)``) are evicted before any other while
+    nobody took them: one-off Score sequences push out each other, not a chat's history;
+    taken by a request (a match), or made again by a generation, they are ordinary blocks."""
+    cache, kv = new_cache(6), KVBuffers(CFG, 1)
+    chat = list(range(33))  # 2 whole blocks and 1 row: 3 blocks
+    serve(cache, kv, chat)
+
+    def score(tokens):  # a Score sequence kept (its rows, on probation)
+        kv.clear(0)
+        prefill(kv, 0, tokens)
+        cache.insert_many(kv, [(0, tokens)], probation=True)
+
+    for k in range(5):  # one-off Score sequences of 2 whole blocks each: 3 free blocks
+        score(list(range(1000 * (k + 1), 1000 * (k + 1) + 32)))
+        cache.check()
+        assert cache.cached_tokens(chat) == 32  # the chat's blocks stay
+    reused = list(range(5000, 5032))  # the last one kept: taken now, so off probation
+    blocks, n = cache.match(reused + [1])
+    cache.release(blocks)
+    assert n == 32
+    for k in range(3):
+        score(list(range(100 * k, 100 * k + 16)) + [7] * 16)
+    assert cache.cached_tokens(reused + [1]) == 32 and cache.cached_tokens(chat) >= 16
+    # a generation making a kept block's rows again takes it off probation too
+    again = list(range(9000, 9032))
+    score(again)
+    keys = [block_key(b"", again[:16])]
+    keys.append(block_key(keys[0], again[16:]))
+    assert all(cache._blocks[cache._by_key[k]].probation for k in keys)
+    kv.clear(0)
+    prefill(kv, 0, again + [3])  # (no match first: the generation computes the rows again)
+    cache.insert(kv, 0, again + [3])
+    assert not any(cache._blocks[cache._by_key[k]].probation for k in keys)
+    cache.check()

@@ -8,6 +8,7 @@ import pytest
 
 from kvserve_testing import ready_channel, running_app
 from kvserve.server.domain import ScoreRequest
+from kvserve.server.score_cache import ScorePool
 from kvserve.server.scoring import common_prefix, score_steps, shared_clusters
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
@@ -79,7 +80,8 @@ def _score(lm, req, cap, share, prefix=None):
     """(the ScoredSequences, tokens fed) of ``req`` through ``score_steps``."""
     fed, real = _fed(lm)
     try:
-        steps = score_steps(lm, req, cap=cap, share=share, prefix=prefix)
+        steps = score_steps(lm, req, cap=cap, share=share,
+                            pool=None if prefix is None else ScorePool(prefix))
         while True:
             try:
                 next(steps)
@@ -275,3 +277,26 @@ def test_a_cluster_clusters_its_members_again_after_the_pool_has_its_rows(lm):
     got, fed = _score(lm, ScoreRequest(seqs, top_logprobs=2), 512, True)  # (no pool)
     _same(plain, got, 2)
     assert fed == 64 + 18 * 21
+
+
+def test_a_take_counts_once_however_many_share_it(lm):
+    """The hit counter hears of a cluster's restored rows once, not once a member; a wholly
+    kept sequence counts its tokens (none computed)."""
+    prefix, hits = _cache(lm), []
+    ctx = _ids(120, 64)
+    _pooled(lm, prefix, [ctx + [5]])
+    req = ScoreRequest([ctx + [6, 7], ctx + [8], ctx + [9, 10, 11]])
+    steps = score_steps(lm, req, cap=512, share=True, pool=ScorePool(prefix, hits.append))
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            got = done.value
+            break
+    assert hits == [63] and [g.cached_tokens for g in got] == [63, 63, 63]
+    hits.clear()
+    steps = score_steps(lm, ScoreRequest([ctx]), cap=512, share=True,
+                        pool=ScorePool(prefix, hits.append))
+    for _ in steps:
+        pass
+    assert hits == [64]
