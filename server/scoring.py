@@ -137,8 +137,9 @@ def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False,
     acc = [_Scored(ids, req.top_logprobs, lm.log_softmax) for ids in seqs]
     clusters, alone = shared_clusters(seqs, list(range(len(seqs)))) if share \
         else ([], list(range(len(seqs))))
-    for length, members in clusters:
-        yield from _score_cluster(lm, seqs, length, members, acc, cap, pool)
+    while clusters:  # (a cluster's own clusters next, after its rows are in the pool)
+        length, members = clusters.pop(0)
+        clusters[:0] = yield from _score_cluster(lm, seqs, length, members, acc, cap, pool)
     short = sorted((i for i in alone if len(seqs[i]) <= cap), key=lambda i: len(seqs[i]))
     group: list[int] = []
     for i in short + [None]:
@@ -178,12 +179,15 @@ def _score_long(lm, ids: list[int], a: _Scored, cap: int, pool: ScorePool | None
 
 
 def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_Scored],
-                   cap: int, pool: ScorePool | None) -> Generator[None, None, None]:
+                   cap: int, pool: ScorePool | None
+                   ) -> Generator[None, None, list[tuple[int, list[int]]]]:
     """The members' shared first ``length`` tokens prefilled once into a slot of their own
     (after what the pool gave; ``cap`` tokens a call; the logits recorded for all members;
     then kept in the pool), then the members' own tokens after device copies of those rows:
     as many members a call as ``_SCORE_GROUP`` tokens of logits allow, one whose own tokens
-    pass that alone, ``cap`` tokens a call."""
+    pass that alone, ``cap`` tokens a call. Returns the clusters its members form among
+    themselves, for the caller to score next (not from this frame: its logits and cache are
+    freed by then)."""
     group_cap = min(cap, _SCORE_GROUP)
     # members that share more among themselves (a question's choices after a few-shot
     # header) form clusters of their own, after this one's rows are kept in the pool, where
@@ -226,9 +230,7 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
         for m, rows in zip(take, lm.prefill(kv, 0, [own[m] for m in take]).logits):
             acc[m].record(length, rows)
         yield
-    del kv  # (the sub-clusters' caches are made one at a time)
-    for sub_length, sub in subs:
-        yield from _score_cluster(lm, seqs, sub_length, sub, acc, cap, pool)
+    return subs
 
 
 def _prefill_group(lm, seqs: list[list[int]], acc: list[_Scored], pool: ScorePool | None
