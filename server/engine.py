@@ -415,7 +415,7 @@ class Engine:
                 job.steps = score_steps(
                     self.lm, job.req, self.chunk_tokens, share=self.score_shares,
                     pool=ScorePool(self.prefix, lambda n: self._metrics.prefix_hit(n))
-                    if self.score_shares else None)
+                    if self.score_shares and self.prefix is not None else None)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results
             job.future.set_result(done.value)

@@ -273,6 +273,16 @@ class PrefixCache:
         whose positions a Score kept (``keep_scores``) with ``n_top`` top tokens or more:
         (block ids, their scores), the whole of ``tokens`` possibly. Referenced until
         ``release``."""
+        blocks, scores = self._scored(tokens, n_top)
+        for bid in blocks:
+            self._acquire(bid, used=True)
+        return blocks, scores
+
+    def scored_tokens(self, tokens, n_top: int = 0) -> int:
+        """The tokens ``scored_match`` would cover now (no reference taken)."""
+        return len(self._scored(tokens, n_top)[0]) * self.block_tokens
+
+    def _scored(self, tokens, n_top: int) -> tuple[list[int], list[BlockScores]]:
         blocks: list[int] = []
         scores: list[BlockScores] = []
         bt = self.block_tokens
@@ -284,8 +294,6 @@ class PrefixCache:
                 break
             blocks.append(bid)
             scores.append(b.scores)
-        for bid in blocks:
-            self._acquire(bid, used=True)
         return blocks, scores
 
     def keep_scores(self, tokens, lps, top_ids=None, top_lps=None) -> int:

@@ -16,6 +16,7 @@ from typing import Generator
 
 import numpy as np
 
+from kvserve.artifact.base import chunks
 from kvserve.model.sampling import top_n
 
 from .domain import ScoredSequence, ScoreRequest
@@ -134,7 +135,8 @@ def score_steps(lm, req: ScoreRequest, cap: int, share: bool = False,
     and which keeps each one's (``server.score_cache``)."""
     seqs = req.sequences
     group_cap = min(cap, _SCORE_GROUP)
-    acc = [_Scored(ids, req.top_logprobs, lm.log_softmax) for ids in seqs]
+    top = min(req.top_logprobs, lm.cfg.vocab_size)  # (a longer list than the vocabulary: all)
+    acc = [_Scored(ids, top, lm.log_softmax) for ids in seqs]
     clusters, alone = shared_clusters(seqs, list(range(len(seqs)))) if share \
         else ([], list(range(len(seqs))))
     while clusters:  # (a cluster's own clusters next, after its rows are in the pool)
@@ -189,19 +191,15 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
     themselves, for the caller to score next (not from this frame: its logits and cache are
     freed by then)."""
     group_cap = min(cap, _SCORE_GROUP)
-    # members that share more among themselves (a question's choices after a few-shot
-    # header) form clusters of their own, after this one's rows are kept in the pool, where
-    # they take them (without the pool they would compute them again)
-    subs, loose = shared_clusters(seqs, members, length + MIN_SHARED, base=length) \
-        if pool else ([], members)
     # a member's last token is fed to no call (its row would predict nothing): one token
     # after the shared ones is the last shared row's prediction, no call of its own
-    own = {m: seqs[m][length:-1] for m in loose if len(seqs[m]) - 1 > length}
+    own = {m: seqs[m][length:-1] for m in members if len(seqs[m]) - 1 > length}
     rest = sorted(own, key=lambda m: len(own[m]))
-    capacity = max([length] + [len(seqs[m]) for m in loose]) + 1
-    # slots for as many members as a call takes, their rows under _CLUSTER_ROWS (or one)
+    capacity = max(len(seqs[m]) for m in members) + 1
+    # slots for as many members as a call takes, their rows (as the cache rounds a slot's
+    # capacity) under _CLUSTER_ROWS (or one)
     slots = max(1, min(len(rest), group_cap // len(own[rest[0]]) if rest else 1,
-                       _CLUSTER_ROWS // capacity))
+                       _CLUSTER_ROWS // chunks(capacity)))
     home = slots  # the shared rows' slot, after those the members take in turn
     kv = lm.new_cache(slots + 1, capacity=capacity)
     shared = seqs[members[0]][:length]
@@ -211,8 +209,17 @@ def _score_cluster(lm, seqs: list, length: int, members: list[int], acc: list[_S
         rows = lm.prefill(kv, home, [shared[start:start + cap]]).logits[0]
         record_rows(start, rows, scored)
         yield
+    subs: list[tuple[int, list[int]]] = []
     if pool:
         pool.keep(kv, [(home, shared, scored[0])])
+        # members that share more among themselves (a question's choices after a few-shot
+        # header) form clusters of their own, which take this one's rows from the pool:
+        # where the pool kept them all (else each would compute them again)
+        bt = pool.prefix.block_tokens
+        if pool.prefix.scored_tokens(shared, scored[0].n_top) == length // bt * bt:
+            subs, loose = shared_clusters(seqs, members, length + MIN_SHARED, base=length)
+            loose = set(loose)
+            rest = [m for m in rest if m in loose]
     while rest:
         take = [rest.pop(0)]
         while rest and len(take) < slots and \

@@ -300,3 +300,49 @@ def test_a_take_counts_once_however_many_share_it(lm):
     for _ in steps:
         pass
     assert hits == [64]
+
+
+def test_no_member_clusters_where_the_pool_did_not_keep_the_header(lm):
+    """A pool too small for the header's blocks: the members are not clustered again (each
+    would compute the header again), so no more tokens are fed than with no pool at all."""
+    from kvserve.artifact.prefix_pool import block_bytes
+
+    header = _ids(130, 128)
+    seqs = [header + _ids(131 + q, 20) + [c, c + 1] for q in range(6) for c in (3, 4, 5)]
+    req = ScoreRequest(seqs)
+    plain, _ = _score(lm, req, 512, False)
+    _, alone = _score(lm, req, 512, True)  # (no pool)
+    two = 2 * block_bytes(lm.cfg, 16, 4) / (1 << 20)
+    got, fed = _pooled(lm, _cache(lm, mib=two), seqs)
+    _same(plain, got, 0)
+    assert fed <= alone
+
+
+def test_a_cluster_cache_stays_under_its_rows(lm):
+    """A cluster of 100 members, 16 shared tokens and 2 own each: its private cache holds
+    at most ``_CLUSTER_ROWS`` rows for the members (as the cache rounds a slot) and the home
+    slot's."""
+    from kvserve.artifact.base import chunks
+    from kvserve.server import scoring
+
+    ctx = _ids(140, 16)
+    seqs = [ctx + _ids(141 + i, 2) for i in range(100)]
+    made, real = [], lm.new_cache
+
+    def new_cache(n, capacity):
+        made.append((n, capacity))
+        return real(n, capacity=capacity)
+    lm.new_cache = new_cache
+    try:
+        got, _ = _score(lm, ScoreRequest(seqs), 512, True)
+    finally:
+        lm.new_cache = real
+    plain, _ = _score(lm, ScoreRequest(seqs), 512, False)
+    _same(plain, got, 0)
+    assert made and all((n - 1) * chunks(c) <= scoring._CLUSTER_ROWS for n, c in made)
+
+
+def test_top_logprobs_past_the_vocabulary_lists_it_all(lm):
+    V = lm.cfg.vocab_size
+    got, _ = _score(lm, ScoreRequest([_ids(150, 20)], top_logprobs=V + 5), 512, True)
+    assert got[0].top_logprobs.shape == (19, V) and len(set(got[0].top_ids[0])) == V
