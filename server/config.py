@@ -217,6 +217,10 @@ class ServerConfig:
         need(bool(self.tls_cert) == bool(self.tls_key), "tls_cert and tls_key go together")
         need(self.verify or not self.trusted_key, "trusted_key needs verify (the signature "
                                                   "covers the manifest, verify the files)")
+        # the largest Score response (App._send_limit) must fit gRPC's message limit (2 GiB)
+        need(self.max_score_tokens * (24 + 32 * self.max_top_logprobs) < (1 << 31) - (2 << 20),
+             "max_score_tokens x max_top_logprobs: a Score response could pass gRPC's 2 GiB "
+             "message limit (each token 24 bytes and 32 a top logprob): lower one of them")
 
     @property
     def concurrent_rpcs(self) -> int:

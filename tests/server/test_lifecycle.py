@@ -268,6 +268,10 @@ def test_server_config_flags_env_and_bounds():
                 ServerConfig(**{name: type(getattr(ServerConfig(), name))(bad)}).validate()
     with pytest.raises(ValueError, match="stream_interval_max_ms must be at least"):
         ServerConfig(stream_interval_ms=20.0, stream_interval_max_ms=10.0).validate()
+    # each within its bounds, together past what one gRPC message can carry: refused at start
+    with pytest.raises(ValueError, match="2 GiB"):
+        ServerConfig(max_top_logprobs=1024)
+    ServerConfig(max_top_logprobs=1024, max_score_tokens=32_768)
     with pytest.raises(ValueError, match="KVSERVE_THREADS"):
         ServerConfig.from_args(p.parse_args([]), environ={"KVSERVE_THREADS": "many"})
     assert "s3" not in str(ServerConfig(auth_token="s3").public_dict())
