@@ -185,9 +185,7 @@ class PrefixCache:
         reference taken)."""
         if (len(tokens) - 1) // self.block_tokens < 1:
             return False
-        key, chunk = next(iter(self._chain(tokens, self.block_tokens)))
-        bid = self._by_key.get(key)
-        return bid is not None and self._blocks[bid].tokens == chunk
+        return self._cached(*next(iter(self._chain(tokens, self.block_tokens)))) is not None
 
     def cacheable(self, rows: int) -> int:
         """How many of a slot's first ``rows`` rows ``insert`` caches: all of them past a whole
@@ -287,10 +285,9 @@ class PrefixCache:
         scores: list[BlockScores] = []
         bt = self.block_tokens
         for key, chunk in self._chain(tokens, len(tokens) // bt * bt):
-            bid = self._by_key.get(key)
+            bid = self._cached(key, chunk)
             b = None if bid is None else self._blocks[bid]
-            if b is None or b.tokens != chunk or b.scores is None or \
-                    b.scores.top_ids.shape[1] < n_top:
+            if b is None or b.scores is None or b.scores.top_ids.shape[1] < n_top:
                 break
             blocks.append(bid)
             scores.append(b.scores)
@@ -310,10 +307,10 @@ class PrefixCache:
             ti[1:], tl[1:] = top_ids[:T - 1, :n], top_lps[:T - 1, :n]
         kept = 0
         for j, (key, chunk) in enumerate(self._chain(tokens, T // bt * bt)):
-            bid = self._by_key.get(key)
-            b = None if bid is None else self._blocks[bid]
-            if b is None or b.tokens != chunk:
+            bid = self._cached(key, chunk)
+            if bid is None:
                 break
+            b = self._blocks[bid]
             if b.scores is None or b.scores.top_ids.shape[1] < n:
                 part = slice(j * bt, (j + 1) * bt)
                 b.scores = BlockScores(lp[part].copy(), ti[part].copy(), tl[part].copy())
@@ -380,8 +377,8 @@ class PrefixCache:
         blocks: list[int] = []
         parent = ROOT
         for key, chunk in self._chain(tokens, limit // bt * bt):
-            bid = self._by_key.get(key)
-            if bid is None or self._blocks[bid].tokens != chunk:
+            bid = self._cached(key, chunk)
+            if bid is None:
                 break
             blocks.append(bid)
             parent = key
@@ -392,6 +389,12 @@ class PrefixCache:
         if m:
             blocks.append(bid)
         return blocks, covered + m
+
+    def _cached(self, key: bytes, chunk: bytes) -> int | None:
+        """The block cached under ``key`` if it holds ``chunk`` (else a hash collision, or
+        nothing there: None)."""
+        bid = self._by_key.get(key)
+        return bid if bid is not None and self._blocks[bid].tokens == chunk else None
 
     def _partial(self, parent: bytes, ids) -> tuple[int | None, int]:
         """The cached block after ``parent`` (a whole block: not the root) whose first tokens

@@ -35,9 +35,9 @@ class ScorePool:
         prefix, n = self.prefix, scored[0].n_top
         blocks, scores = prefix.scored_match(ids, n)
         try:
-            covered = len(blocks) * prefix.block_tokens
-            if covered < 2:  # (one token: no log-probability to copy, no row to keep)
+            if not blocks:
                 return 0
+            covered = len(blocks) * prefix.block_tokens
             lps = np.concatenate([b.lps for b in scores])[1:covered]
             top_i = np.concatenate([b.top_ids[:, :n] for b in scores])[1:covered] if n \
                 else None

@@ -21,6 +21,7 @@ from kvserve.model.sampling import top_n
 
 from .domain import ScoredSequence, ScoreRequest
 from .score_cache import ScorePool
+from .slot_rows import common_prefix
 
 _BLOCK_FLOATS = 1 << 22  # logits per log-softmax call (its output, 16 MB, is held beside them)
 _SCORE_GROUP = 512  # tokens per shared prefill: bigger batches fall out of cache
@@ -74,15 +75,6 @@ def record_rows(start: int, rows: np.ndarray, scored: list[_Scored]) -> None:
                 s.tops_i[start + a + j], s.tops_l[start + a + j] = tops[j]
 
 
-def common_prefix(a, b) -> int:
-    """How many first tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    x, y = np.asarray(a[:n]), np.asarray(b[:n])
-    return int(np.argmax(x != y))
-
-
 def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED, base: int = 0
                     ) -> tuple[list[tuple[int, list[int]]], list[int]]:
     """Among the sequences ``idx`` of ``seqs``: clusters of two or more that share their first
@@ -97,7 +89,7 @@ def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED, ba
     clusters: list[tuple[int, list[int]]] = []
     rest: list[int] = []
     run: list[int] = []
-    length = 0
+    length = 0  # the tokens the run's members share (one alone: all of its own)
 
     def close() -> None:
         if len(run) > 1:
@@ -107,15 +99,14 @@ def shared_clusters(seqs: list, idx: list[int], min_shared: int = MIN_SHARED, ba
 
     for i in order:
         if run:
-            shared = min(length, common_prefix(seqs[run[-1]], seqs[i])) if len(run) > 1 \
-                else common_prefix(seqs[run[-1]], seqs[i])
+            shared = common_prefix(seqs[run[-1]], seqs[i], length)
             if shared >= min_shared and \
                     (shared - base) * len(run) >= (length - base) * (len(run) - 1):
                 run.append(i)
                 length = shared
                 continue
             close()
-        run, length = [i], 0
+        run, length = [i], len(seqs[i])
     if run:
         close()
     return clusters, rest

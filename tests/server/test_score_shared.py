@@ -9,7 +9,8 @@ import pytest
 from kvserve_testing import ready_channel, running_app
 from kvserve.server.domain import ScoreRequest
 from kvserve.server.score_cache import ScorePool
-from kvserve.server.scoring import common_prefix, score_steps, shared_clusters
+from kvserve.server.scoring import score_steps, shared_clusters
+from kvserve.server.slot_rows import common_prefix
 from kvserve.v1 import inference_pb2 as pb
 from kvserve.v1 import inference_pb2_grpc as pb_grpc
 from test_score import check_scores
@@ -20,10 +21,10 @@ def _ids(seed: int, n: int, vocab: int = 400) -> list[int]:
 
 
 def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
-    assert common_prefix([1, 2, 3], [1, 5, 3]) == 1
-    assert common_prefix([], [1]) == 0
-    assert common_prefix([7], [8]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4], 10) == 3
+    assert common_prefix([1, 2, 3], [1, 5, 3], 10) == 1
+    assert common_prefix([], [1], 10) == 0
+    assert common_prefix([7], [8], 10) == 0
 
 
 def test_clusters_group_continuations_of_a_context():
