@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import parse_results_args, run_header, write_results
+from kvserve.bench.common import (parse_results_args, run_header, server_speedups,
+                                  write_results)
 
 SYSTEM_TOKENS = 1000
 NEW_TOKENS = 4
@@ -85,12 +86,8 @@ def measure_new(artifact: Path, requests: int, rounds: int, threads: int) -> dic
 def measure(artifact: Path, requests: int, rounds: int, threads: int,
             system_tokens: int = SYSTEM_TOKENS) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
-    from kvserve.server.config import ServerConfig
 
-    c = ServerConfig()
-    runner = EngineRunner(str(artifact), threads, max_batch=requests,
-                          prefix_cache_mb=c.prefix_cache_mb,
-                          speculative_tokens=c.speculative_tokens)
+    runner = EngineRunner(str(artifact), threads, max_batch=requests, **server_speedups())
     lm, V = runner.lm, runner.cfg.vocab_size
     g = np.random.default_rng(0)
     figures = {w: [] for w in WAYS}

@@ -106,6 +106,15 @@ def run_header(**fields) -> dict:
             "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def server_speedups() -> dict:
+    """``kvserve serve``'s defaults for the prefix cache and speculation (``EngineRunner``'s
+    keywords; ``engine_on`` in the plan)."""
+    from kvserve.server.config import ServerConfig
+
+    c = ServerConfig()
+    return {"prefix_cache_mb": c.prefix_cache_mb, "speculative_tokens": c.speculative_tokens}
+
+
 def fp32_sizes_main(doc: str, argv, name: str, render, measure) -> int:
     """The ``main`` of a script measuring ``measure(artifact, rounds, threads)`` (its results'
     entry for a size) on each bench size's fp32 artifact: ``--sizes``, ``--rounds``,

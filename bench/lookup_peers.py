@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import parse_results_args, run_header, write_results
+from kvserve.bench.common import (parse_results_args, run_header, server_speedups,
+                                  write_results)
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -62,10 +63,8 @@ def _runners(artifact: Path, gguf: Path, precision: str, threads: int,
              paired: Path | None = None) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
     from kvserve.bench.runner_llamacpp import LlamaCppRunner
-    from kvserve.server.config import ServerConfig
 
-    c = ServerConfig()
-    on = dict(prefix_cache_mb=c.prefix_cache_mb, speculative_tokens=c.speculative_tokens)
+    on = server_speedups()
     mb = max(BATCHES)
     out = {LLAMA: LlamaCppRunner(str(gguf), threads),
            LOOKUP_RUN: LlamaCppRunner(str(gguf), threads, lookup=LOOKUP),

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BENCH_DOC, CACHE, RESULTS, committed_results, loadavg, machine, versions
+from .common import (BENCH_DOC, CACHE, RESULTS, committed_results, loadavg, machine,
+                     server_speedups, versions)
 from .merge import merge_runners, merge_speed
 from .turns import SETTLE
 
@@ -113,14 +114,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- the plan ----------------------------------------------------------------------------------
-def server_speedups() -> dict:
-    """``kvserve serve``'s defaults for the prefix cache and speculation (``engine_on``)."""
-    from kvserve.server.config import ServerConfig
-
-    c = ServerConfig()
-    return {"prefix_cache_mb": c.prefix_cache_mb, "speculative_tokens": c.speculative_tokens}
-
-
 def speed_plan(size: str, quick: bool, rep: int) -> dict[str, dict]:
     """The prefix cache's and speculation's cells (``bench/speed_cells.py``): the engine with
     both off (``engine``, merged into its entry), with the server's defaults (``engine_on``),

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import parse_results_args, run_header, write_results
+from kvserve.bench.common import (parse_results_args, run_header, server_speedups,
+                                  write_results)
 from kvserve.bench.runner_base import alternate, prompts_for
 
 PROMPT = 32
@@ -85,10 +86,8 @@ def steps(paired: Path, unpaired: Path, threads: int, rounds: int,
 
 def server(paired: Path, unpaired: Path, threads: int, rounds: int, new: int) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
-    from kvserve.server.config import ServerConfig
 
-    c = ServerConfig()
-    on = dict(prefix_cache_mb=c.prefix_cache_mb, speculative_tokens=c.speculative_tokens)
+    on = server_speedups()
     mb = max(BATCHES)
     runners = {OFF: EngineRunner(str(paired), threads, max_batch=mb),
                PAIRED: EngineRunner(str(paired), threads, max_batch=mb, **on),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import fp32_sizes_main
+from kvserve.bench.common import fp32_sizes_main, server_speedups
 
 CHATS, TURNS, FIRST, REPLY = 4, 6, 200, 32
 SYSTEM, BURST = 1000, 8
@@ -84,12 +84,8 @@ def burst(runner, g) -> tuple[float, int]:
 
 def measure(artifact: Path, rounds: int, threads: int) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
-    from kvserve.server.config import ServerConfig
 
-    c = ServerConfig()
-    runner = EngineRunner(str(artifact), threads, max_batch=BURST,
-                          prefix_cache_mb=c.prefix_cache_mb,
-                          speculative_tokens=c.speculative_tokens)
+    runner = EngineRunner(str(artifact), threads, max_batch=BURST, **server_speedups())
     prefix = runner.engine.prefix
     out = {}
     try:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.common import fp32_sizes_main
+from kvserve.bench.common import fp32_sizes_main, server_speedups
 
 QUESTIONS, CHOICES, CONTEXT, HEADER, LONG = 8, 4, 200, 150, 600
 WAYS = ("shared", "whole")
@@ -89,11 +89,8 @@ def _score(engine, seqs, one_each: bool = False) -> tuple[float, list]:
 
 def measure(artifact: Path, rounds: int, threads: int) -> dict:
     from kvserve.bench.runner_kvserve import EngineRunner
-    from kvserve.server.config import ServerConfig
 
-    c = ServerConfig()
-    runner = EngineRunner(str(artifact), threads, prefix_cache_mb=c.prefix_cache_mb,
-                          speculative_tokens=c.speculative_tokens)
+    runner = EngineRunner(str(artifact), threads, **server_speedups())
     engine, V = runner.engine, runner.cfg.vocab_size
     assert engine.score_shares, "the engine shares no rows with this artifact"
     out = {"chunk_tokens": engine.chunk_tokens}
