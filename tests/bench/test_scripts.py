@@ -373,7 +373,8 @@ def test_score_shared_measures_both_ways(tiny_artifact, monkeypatch):
 @pytest.mark.parametrize("script, name", [("prefix_tokens", "prefix-tokens"),
                                           ("score_shared", "score-shared"),
                                           ("burst_admission", "burst-admission"),
-                                          ("shape_rounding", "shape-rounding")])
+                                          ("shape_rounding", "shape-rounding"),
+                                          ("attention_cost", "attention-cost")])
 def test_committed_tables_are_their_json_rendered(script, name):
     """A bench script's committed .md is its rendering of the committed .json."""
     import importlib
@@ -444,6 +445,41 @@ def test_shape_rounding_measures_on_the_tiny_artifact(tiny_artifact):
                  "first_difference": first,
                  "artifacts": {"fp32": {"agreement": agree, "two_token_cost": cost}}})
     assert "| fp32 |" in md
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_attention_cost_times_the_graph_with_and_without_attention(tiny_ckpt, tmp_path, paired):
+    """bench/attention_cost.py on a tiny artifact (paired too: its attention takes a padded
+    query): the graph without attention has no GroupQueryAttention and no present outputs,
+    runs, and gives logits of the same shape; both graphs timed every round at each
+    position, the cache read counted for every layer's K and V up to the position."""
+    import onnx
+    import onnxruntime as ort
+
+    from kvserve.bench import attention_cost as ac
+    from kvserve.export.pipeline import export_artifacts
+    from kvserve.model.config import ModelConfig
+
+    art = Path(export_artifacts(tiny_ckpt, tmp_path / "a", attention=False, progress=False,
+                                threads=1, paired=paired))
+    cfg = ModelConfig.load(art / "config.json")
+    bare = ac.without_attention(onnx.load(str(art / "model.onnx")), cfg.head_dim)
+    assert not [n for n in bare.graph.node if n.op_type == "GroupQueryAttention"]
+    assert [o.name for o in bare.graph.output] == ["logits"]
+    sess = ort.InferenceSession(bare.SerializeToString(), providers=["CPUExecutionProvider"])
+    step = ac.Step(sess, cfg, capacity=16, spare=int(paired))
+    step.at(5)
+    step.run()
+    assert step.binding.copy_outputs_to_cpu()[0].shape == (1, 1, cfg.vocab_size)
+    res = ac.measure(art, positions=[4, 12], rounds=2, threads=1)
+    for p, c in res["positions"].items():
+        assert all(len(r) == 2 for r in c["rounds"].values())
+        assert c["step_ms"] > 0 and c["without_attention_ms"] > 0 and c["floor_ms"] > 0
+        assert c["cache_mb"] * 2**20 == 2 * cfg.n_kv_heads * cfg.head_dim * 4 * \
+            cfg.n_layers * (int(p) + 1)
+    md = ac.render({"size": "tiny", "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
+                    "date": "z", "precisions": {"fp32": res}})
+    assert md.count("| fp32 |") == 2
 
 
 def test_results_options_choose_where_results_go(tmp_path):
