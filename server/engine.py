@@ -32,6 +32,7 @@ attention rows.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import threading
@@ -44,8 +45,8 @@ from kvserve.model.sampling import request_seed
 
 from . import resume
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
-from .domain import FinishEvent, FinishReason, GenerateRequest, QueueFull, ScoreRequest, \
-    Unavailable
+from .domain import FinishEvent, FinishReason, GenerateRequest, InvalidArgument, QueueFull, \
+    ScoreRequest, Unavailable
 from .interfaces import EngineMetrics, NullMetrics, Runner, is_staged_sink
 from .model_runner import ModelRunner
 from .output import OutputProcessor
@@ -79,7 +80,7 @@ class Engine:
                  stream_interval: float = 0.0, prefill_chunk_tokens: int = 0,
                  stream_interval_max: float | None = None, prefix_cache_bytes: int = 0,
                  speculative_tokens: int = 0, fast_forward: bool = True,
-                 inexact_speedups: bool = False):
+                 inexact_speedups: bool = False, interleave_prefill: bool = True):
         self.lm, self.cfg = lm, lm.cfg
         self.token_bytes = token_bytes
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -112,6 +113,10 @@ class Engine:
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
                      "speed features", sensitive)
         self.sched.fixed_chunks = bool(self.inexact)
+        # a long prompt fed a chunk per iteration between the others' steps (the fused
+        # graph's prefill continues a slot's rows; LongRoPE's refill takes the prompt whole)
+        self.sched.interleave = interleave_prefill and lm.kind == "fused" and \
+            self.longrope is None
         self.sched.attention_alone = diagnostics_apart(lm) and not (inexact_speedups and
                                                                     sensitive)
         if getattr(lm, "device", "cpu") != "cpu":  # (scheduler.PAD_TOKENS: measured on CPU)
@@ -222,6 +227,15 @@ class Engine:
 
     # --- submission (any thread) ---------------------------------------------------------------
     def submit(self, req: GenerateRequest, events=None) -> Handle:
+        # prompt + new tokens within the context (the servers' request checks hold their
+        # requests to it first): an in-process caller's longer request ends there (LENGTH)
+        # instead of failing the batch with a call past the context
+        room = self.cfg.max_seq_len - len(req.prompt_ids)
+        if room < 1:
+            raise InvalidArgument(f"the prompt has {len(req.prompt_ids)} tokens; the model's "
+                                  f"context is {self.cfg.max_seq_len}", field="prompt")
+        if req.stopping.max_new_tokens > room:
+            req.stopping = dataclasses.replace(req.stopping, max_new_tokens=room)
         h = Handle(req.request_id or f"gen-{next(self._ids)}", self._wake, events)
         seq = Sequence(req, h, submitted=time.monotonic())
         if self.request_time_limit:
@@ -261,7 +275,8 @@ class Engine:
 
     def load(self) -> dict[str, int]:
         with self._cond:
-            return {"running": len(self.sched.active), "queued": len(self.sched.waiting),
+            return {"running": len(self.sched.active) + len(self._fed()),
+                    "queued": len(self.sched.waiting),
                     "score_jobs": len(self._jobs)}
 
     # --- the loop ------------------------------------------------------------------------------
@@ -298,10 +313,14 @@ class Engine:
                 self._guarded(lambda: self._iteration(admit), admit)
         self._shut_down()
 
+    def _fed(self) -> list[Sequence]:
+        """The sequence whose prompt is being fed a chunk per iteration, if any."""
+        return [] if self.sched.prefilling is None else [self.sched.prefilling.seq]
+
     def _idle(self) -> bool:
         """Nothing to do (under the lock): no request active or queued, no Score job."""
         return not self._stop and not self.sched.active and not self.sched.waiting \
-            and not self._jobs
+            and not self._jobs and self.sched.prefilling is None
 
     def _guarded(self, work: Callable[[], None], admit: list[Sequence]) -> None:
         """One iteration's ``work`` (through ``iteration_hook`` when set); an exception fails
@@ -316,10 +335,11 @@ class Engine:
             self._fail_all(admit, e)
 
     def _fail_all(self, admit: list[Sequence], e: Exception) -> None:
-        for seq in self.sched.active + admit:
+        for seq in self.sched.active + admit + self._fed():
             if not seq.done:
                 self.output.finish(seq, FinishReason.ERROR, error="internal error")
         self.sched.active = []
+        self.sched.prefilling = None
         self._running = 0
         self.metrics.running(0)
         self.sched.kv = self.lm.new_cache(self.max_batch)
@@ -332,7 +352,8 @@ class Engine:
     def _shut_down(self) -> None:
         """Whoever is still here gets a final event."""
         with self._cond:
-            rest = list(self.sched.waiting) + self.sched.active
+            rest = list(self.sched.waiting) + self.sched.active + self._fed()
+            self.sched.prefilling = None
             self.sched.waiting.clear()
             self._queued = 0
             self.metrics.queue_depth(0)
@@ -357,6 +378,8 @@ class Engine:
         if sched.active:
             self.runner.step()
         sched.retire_done()
+        if sched.prefilling is not None and not admit:  # (an admission fed its first chunk)
+            self.runner.prefill_next()
         if output.due(time.monotonic()):
             output.wake_staged()
         if admit or self._running != len(sched.active):

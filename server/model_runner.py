@@ -28,11 +28,12 @@ import numpy as np
 from .constraint_masks import MaskBatch
 from .fast_forward import FastForward
 from .interfaces import EngineMetrics, Runner
+from .kept_rows import KeptRows
 from .output import OutputProcessor
 from .prefix_cache import prefill_now
 from .rounding import diagnostics_apart
 from .sampler import masked, sample_row
-from .scheduler import Scheduler
+from .scheduler import Prefilling, Scheduler
 from .sequence import Sequence
 from .slot_rows import SlotRows, pending_prefixes
 from .spec_verify import accepted_count, verify_row
@@ -43,7 +44,7 @@ from .step_costs import StepCosts
 _ARGMAX_ALL = 1 << 17  # logits floats (batch x positions x vocabulary) reduced in one argmax
 
 
-class ModelRunner:
+class ModelRunner(KeptRows):
     def __init__(self, lm: Runner, sched: Scheduler, output: OutputProcessor,
                  metrics_of, longrope=None, prefix=None, speculator: Speculator | None = None,
                  fast_forward: FastForward | None = None, costs: StepCosts | None = None):
@@ -68,6 +69,7 @@ class ModelRunner:
         # call 0.95x; llguidance's parallel fill after the call 0.86x)
         self.overlap_masks = getattr(lm, "device", "cpu") != "cpu"
         self.steps = 0
+        self._lone = False  # the admission being prefilled is one sequence (``_defer``)
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -75,7 +77,9 @@ class ModelRunner:
 
     # --- prefill -------------------------------------------------------------------------------
     def prefill(self, plain: list[Sequence], attn: list[Sequence]) -> None:
-        """Admitted sequences into the next free slots: their first tokens are chosen."""
+        """Admitted sequences into the next free slots: their first tokens are chosen (a long
+        prompt admitted alone: after its chunks, one an iteration, ``prefill_next``)."""
+        self._lone = self.sched.interleave and len(plain) + len(attn) == 1
         later: list[Sequence] = []
         if self.prefix is not None:
             plain, later = self._split_cached(plain)
@@ -151,8 +155,10 @@ class ModelRunner:
                               attention=attention, last=True)  # (1, V) each: the last row
         prompts: list[tuple[int, Sequence]] = []  # cached together after the first tokens
         for b, (seq, n) in enumerate(zip(group, lens)):
-            active.append(seq)
             ids = seq.prefill_ids
+            if n < len(ids) and not attention and self._defer(seq, n):
+                continue
+            active.append(seq)
             if n < len(ids):
                 if attention:  # the rest goes through decode steps, which carry attention
                     seq.forced.extend(ids[n:])
@@ -187,6 +193,10 @@ class ModelRunner:
         active = self.sched.active
         lo = len(active)
         starts = [self._restore(lo + b, seq, own) for b, seq in enumerate(group)]
+        if len(group) == 1 and len(group[0].prefill_ids) - starts[0] > \
+                self.sched.prefill_tokens() and self._defer(group[0], starts[0]):
+            self.prefill_next()  # (its first chunk: as an uninterrupted prefill's)
+            return
         active.extend(group)
         for seq, last in zip(group, self._rests(lo, group, starts)):
             self._first(seq, last, None)
@@ -243,98 +253,6 @@ class ModelRunner:
             self.prefix.insert_many(self.sched.kv, [(slot, seq.prefill_ids)
                                                     for slot, seq in prompts])
 
-    def cache_tokens(self, leaving: list[tuple[int, Sequence, bool]]) -> None:
-        """Leaving sequences' rows (prompt and generated tokens) into the prefix cache ((slot,
-        seq, kept) each: one device copy for those copied now); their slots keep them too
-        (``server.slot_rows``). ``kept``: no compaction move writes into the slot, so the copy
-        into the pool can wait (``unsaved``) until the engine has nothing else to do, or a
-        sequence is admitted into that slot: one that continues these tokens (a chat's next
-        turn) takes the rows over and caches its prompt, which begins with them, after its
-        first token, so the copy is not made before it."""
-        if self.prefix is None:
-            return
-        kv = self.sched.kv
-        rows = [(slot, self._reusable_tokens(seq), kept) for slot, seq, kept in leaving]
-        now = [(slot, tokens) for slot, tokens, kept in rows if tokens is not None and not kept]
-        if now:
-            self.prefix.insert_many(kv, now)
-        for slot, tokens, kept in rows:
-            self.slot_rows.left(kv, slot, tokens)
-            if tokens is not None and kept:
-                self._unsaved[slot] = (kv, tokens)
-
-    def _reusable_tokens(self, seq: Sequence) -> list[int] | None:
-        """The tokens of a leaving sequence's rows, or None where other requests must not
-        reuse them: not all known (a prompt tail not fed), or made by the diagnostics graph
-        where it rounds apart from the plain one."""
-        if seq.forced or (seq.wants_attention and not self.attention_rows_reusable):
-            return None
-        return seq.tokens()
-
-    @property
-    def unsaved(self) -> bool:
-        """Some free slot's rows wait to be copied into the prefix cache."""
-        return bool(self._unsaved)
-
-    def save_unsaved(self) -> None:
-        """Copy every free slot's rows that wait for it into the prefix cache."""
-        self._save(list(self._unsaved))
-
-    @property
-    def idle_work(self) -> bool:
-        """Something to do while no request is here: rows that wait for the prefix cache, or
-        pool blocks to make resident ahead of use (``PrefixCache.warm``)."""
-        return bool(self._unsaved) or (self.prefix is not None and self.prefix.warm_pending)
-
-    def idle_step(self) -> None:
-        """One piece of the idle work: the waiting rows into the prefix cache, else one chunk
-        of pool blocks made resident (~0.5 ms at most: the engine looks for requests between
-        two pieces)."""
-        if self._unsaved:
-            self.save_unsaved()
-        elif self.prefix is not None:
-            self.prefix.warm()
-
-    def _save(self, slots: list[int]) -> None:
-        """The rows the free ``slots`` still retain of the tokens that wait for the prefix
-        cache, into it: one device copy (a free slot's ``used`` is 0, set to its rows while
-        they are copied)."""
-        kv, used, items = self.sched.kv, {}, []
-        try:
-            for slot in slots:
-                was, tokens = self._unsaved[slot]
-                rows = int(kv.retained[slot]) if was is kv else 0  # (a new cache: gone)
-                if self.prefix.cacheable(rows):
-                    used[slot] = int(kv.used[slot])
-                    kv.used[slot] = rows
-                    items.append((slot, tokens[:rows]))
-            if items:
-                self.prefix.insert_many(kv, items)
-        finally:  # (``unsaved`` is false only once the copy is done)
-            for slot, n in used.items():
-                kv.used[slot] = n
-            for slot in slots:
-                del self._unsaved[slot]
-
-    def _take(self, kv, slots, rows: int = 0) -> None:
-        """Sequences are admitted into ``slots``, each taking over the first ``rows`` rows its
-        slot retains: the rows that wait for the prefix cache go there first (one copy for
-        all the slots), unless the ones taken over hold all the rows the pool would cache of
-        them (the sequence's prompt, cached after its first token, begins with them)."""
-        save = []
-        for slot in slots:
-            waiting = self._unsaved.get(slot)
-            if waiting is None:
-                continue
-            cached = self.prefix.cacheable(min(len(waiting[1]), int(kv.retained[slot])))
-            if rows >= cached and waiting[0] is kv:
-                del self._unsaved[slot]
-            else:
-                save.append(slot)
-        self._save(save)
-        for slot in slots:
-            self.slot_rows.take(kv, slot, rows)
-
     def _extend(self, slot: int, ids: list[int], start: int) -> np.ndarray:
         """Chunked prefill: feed ids[start:] to ``slot`` in chunks of ``prefill_tokens()``
         (LongRoPE's portable runner: of ``chunk_tokens``) after the slot's rows so far.
@@ -349,6 +267,31 @@ class ModelRunner:
             chunk = np.asarray(ids[a:a + step], np.int64)
             last = self.lm.extend(kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
+
+    def _defer(self, seq: Sequence, rows: int) -> bool:
+        """The lone admission ``seq``, whose slot (the next free one) holds its first ``rows``
+        rows, goes on a chunk per iteration (``Scheduler.prefilling``); False where it is not
+        alone (its prompt then goes in at once)."""
+        if not self._lone:
+            return False
+        self.sched.prefilling = Prefilling(seq, rows, self.sched.prefill_tokens())
+        return True
+
+    def prefill_next(self) -> None:
+        """The next chunk of the prompt fed a chunk per iteration (the chunks ``_extend``
+        would have fed, in order); after the last one the sequence joins the active ones, its
+        first token chosen and its prompt's rows cached."""
+        p, kv = self.sched.prefilling, self.sched.kv
+        slot, ids = len(self.sched.active), p.seq.prefill_ids
+        last = self.lm.extend(kv, slot, np.asarray(ids[p.at:p.at + p.step], np.int64),
+                              last=True)[-1]
+        p.at = min(len(ids), p.at + p.step)
+        if p.at < len(ids):
+            return
+        self.sched.prefilling = None
+        self.sched.active.append(p.seq)
+        self._first(p.seq, last, None)
+        self._cache_prompts([(slot, p.seq)])
 
     # --- decoding ------------------------------------------------------------------------------
     def step(self) -> None:

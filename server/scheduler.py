@@ -4,12 +4,20 @@ The queue (bounded: a full one refuses at once), admission into free slots (up t
 ``max_batch``), the prefill groups and chunk sizes, and retirement: a finished, cancelled or
 expired sequence leaves its slot within one step, the last slot moving into the hole (the
 cache's ``move``), and the cache gives back what long sequences left. Active sequence ``i``
-lives in KV slot ``i``. Not thread-safe: the engine calls the queue side under its lock.
+lives in KV slot ``i``.
+
+A prompt longer than one prefill call (``interleave``) is admitted alone and fed a chunk per
+engine iteration (``Prefilling``, in the slot after the active ones), the active sequences
+taking a step between its chunks: a long prompt no longer stops every stream for its whole
+prefill. Its rows are the ones the uninterrupted prefill makes (the same chunks, in order);
+nothing else is admitted until its first token. Not thread-safe: the engine calls the queue
+side under its lock.
 """
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from .domain import FinishReason, QueueFull
@@ -27,6 +35,16 @@ PAD_TOKENS = 12
 # gRPC caller gets RESOURCE_EXHAUSTED, an HTTP one 429, both retryable, not an empty success)
 QUEUED_OUT = ("the server is at capacity: the request waited {seconds:.1f} s for a batch slot, "
               "up to its time limit, and never started; retry later")
+
+
+@dataclass
+class Prefilling:
+    """A sequence whose prompt goes in a chunk per iteration, in the slot after the active
+    ones: ``at`` = its rows so far, ``step`` = its chunk (set at admission, so that its
+    prompt is cut as one uninterrupted prefill would have cut it)."""
+    seq: Sequence
+    at: int
+    step: int
 
 
 class Scheduler:
@@ -54,6 +72,10 @@ class Scheduler:
         # long as B x T fits the chunk; the engine's choice by provider)
         self.pad_tokens: int | None = PAD_TOKENS
         self.active: list[Sequence] = []  # active[i] lives in KV slot i
+        # long prompts fed a chunk per iteration (the engine's choice: fused graphs); the one
+        # being fed lives in slot len(active)
+        self.interleave = False
+        self.prefilling: Prefilling | None = None
         # called as on_leave([(slot, seq, kept), ...]) with the sequences finished at once,
         # before their slots are given up (the prefix cache keeps their rows); kept: no
         # compaction move will write into the slot
@@ -66,6 +88,7 @@ class Scheduler:
         # slot now, not at the end of the engine's iteration: otherwise a caller who sends the
         # next request the moment its stream ends can be told RESOURCE_EXHAUSTED
         busy = sum(not s.done for s in list(self.active))  # list(): one atomic copy
+        busy += self.prefilling is not None
         free = max(0, self.max_batch - busy)
         if len(self.waiting) - free >= self.max_queue:
             raise QueueFull(f"the server is at capacity ({self.max_queue} requests queued); "
@@ -91,11 +114,21 @@ class Scheduler:
                 keep.append(seq)
         self.waiting = keep
         admit: list[Sequence] = []
+        if self.prefilling is not None:  # (its slot comes first)
+            return admit
         while self.waiting and len(self.active) + len(admit) < self.max_batch:
             if self.attention_alone and not self._fits_alone(admit):
                 break
+            if self.interleave and self.long(self.waiting[0]):  # admitted alone
+                if not admit:
+                    admit.append(self.waiting.popleft())
+                break
             admit.append(self.waiting.popleft())
         return admit
+
+    def long(self, seq: Sequence) -> bool:
+        """More prompt than one prefill call takes (fed a chunk per iteration)."""
+        return len(seq.prefill_ids) > self.prefill_tokens()
 
     def _fits_alone(self, admit: list[Sequence]) -> bool:
         """With ``attention_alone``: the next waiting sequence may join the batch (neither it
@@ -150,33 +183,48 @@ class Scheduler:
         now = time.monotonic()
         dead = False
         for seq in self.active:
-            if seq.done:
+            if self._ended(seq, now):
                 dead = True
-            elif seq.handle.cancelled:
-                self.output.finish(seq, FinishReason.CANCELLED)
-                dead = True
-            elif seq.req.deadline is not None and now >= seq.req.deadline:
-                self.output.finish(seq, FinishReason.TIME_LIMIT)
-                dead = True
+        if self.prefilling is not None and self._ended(self.prefilling.seq, now):
+            self.kv.clear(len(self.active))  # (a prompt's first rows: nothing keeps them)
+            self.prefilling = None
         if dead:
             self.retire_done()
 
+    def _ended(self, seq: Sequence, now: float) -> bool:
+        """Whether ``seq`` is done, ending it first where it was cancelled or ran out of
+        time."""
+        if seq.done:
+            return True
+        if seq.handle.cancelled:
+            self.output.finish(seq, FinishReason.CANCELLED)
+            return True
+        if seq.req.deadline is not None and now >= seq.req.deadline:
+            self.output.finish(seq, FinishReason.TIME_LIMIT)
+            return True
+        return False
+
     def retire_done(self) -> None:
         gone = [i for i, s in enumerate(self.active) if s.done]
+        fed = self.prefilling is not None
         if gone and self.on_leave is not None:
-            stay = len(self.active) - len(gone)  # the moves below write into slots < stay only
+            # the moves below write into slots < stay only (a prompt being fed: <= stay)
+            stay = len(self.active) - len(gone) + fed
             self.on_leave([(i, self.active[i], i >= stay) for i in gone])
         left = [self.active[i] for i in gone]
+        was = len(self.active)
         for i in reversed(gone):  # highest first: the last slot is never one still to remove
             last = len(self.active) - 1
             if i != last:
                 self.kv.move(last, i)
                 self.active[i] = self.active[last]
             self.active.pop()
+        if gone and fed:  # the prompt being fed follows the active ones
+            self.kv.move(was, len(self.active))
         if gone:  # give back the memory long sequences left (their slots are free now); an
             # emptied batch keeps the room the sequences that just left had (a client sending
             # requests one after another would otherwise shrink and regrow the buffers, with
             # new bindings, every request: ~6 of them per request on the trained model)
-            keep = self.active or left
-            self.kv.shrink_to_fit(len(self.active),
+            keep = [*self.active, *([self.prefilling.seq] if fed else [])] or left
+            self.kv.shrink_to_fit(len(self.active) + fed,
                                   max((s.rows(self.max_seq_len) for s in keep), default=0))

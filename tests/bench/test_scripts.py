@@ -374,7 +374,8 @@ def test_score_shared_measures_both_ways(tiny_artifact, monkeypatch):
                                           ("score_shared", "score-shared"),
                                           ("burst_admission", "burst-admission"),
                                           ("shape_rounding", "shape-rounding"),
-                                          ("attention_cost", "attention-cost")])
+                                          ("attention_cost", "attention-cost"),
+                                          ("long_prompt", "long-prompt")])
 def test_committed_tables_are_their_json_rendered(script, name):
     """A bench script's committed .md is its rendering of the committed .json."""
     import importlib
@@ -480,6 +481,34 @@ def test_attention_cost_times_the_graph_with_and_without_attention(tiny_ckpt, tm
     md = ac.render({"size": "tiny", "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
                     "date": "z", "precisions": {"fp32": res}})
     assert md.count("| fp32 |") == 2
+
+
+def test_long_prompt_measures_both_ways(tiny_artifact, monkeypatch):
+    """bench/long_prompt.py on the tiny artifact (a 150-token prompt in chunks of 32): both
+    ways every round, the streams stepping while the prompt is fed a chunk an iteration, and
+    its rows' first token the same both ways."""
+    import time
+
+    import kvserve.bench.long_prompt as L
+    from kvserve.artifact.fused import FusedLM
+    from kvserve.server.scheduler import Scheduler
+
+    monkeypatch.setattr(L, "PROMPT_TOKENS", 150)
+    monkeypatch.setattr(Scheduler, "prefill_tokens", lambda self: 32)
+    for name in ("decode", "verify"):  # (steps of a few ms: the streams outlast the prompt)
+        step = getattr(FusedLM, name)
+        monkeypatch.setattr(FusedLM, name, lambda *a, _step=step, **k: time.sleep(0.003) or
+                            _step(*a, **k))
+    res = L.measure(tiny_artifact, rounds=2, threads=1)
+    assert res["chunk_tokens"] == 32
+    for w in L.WAYS:
+        rounds = res["ways"][w]["rounds"]
+        assert len(rounds) == 2 and all(r["ttft_ms"] > 0 and r["longest_gap_ms"] > 0
+                                        for r in rounds)
+    assert res["ways"][L.WAYS[0]]["stream_tokens"] >= 4  # (a step between each two chunks)
+    md = L.render({"rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y", "date": "z",
+                   "sizes": {"tiny": res}})
+    assert md.count("| tiny |") == 3
 
 
 def test_results_options_choose_where_results_go(tmp_path):

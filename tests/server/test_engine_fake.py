@@ -48,6 +48,21 @@ def _collect(h):
     return toks, fin
 
 
+def test_an_in_process_request_past_the_context_ends_at_it(make_engine):
+    """The servers refuse prompt + max_new_tokens past the context; the engine's own callers
+    get a sequence that ends there (LENGTH), never a call past the context that would fail
+    the batch, and a prompt that fills the context is refused."""
+    from kvserve.server.domain import InvalidArgument
+
+    engine, lm = make_engine(max_batch=2)
+    ctx = lm.cfg.max_seq_len
+    toks, fin = _collect(engine.submit(_req([1, 2, 3], 10 * ctx)))
+    assert fin.reason is FinishReason.LENGTH and len(toks) == ctx - 3
+    assert toks == lm.reference([1, 2, 3], ctx - 3)
+    with pytest.raises(InvalidArgument, match="context"):
+        engine.submit(_req([1] * ctx, 1))
+
+
 def test_concurrent_requests_share_decode_steps_and_match_the_reference(make_engine):
     engine, lm = make_engine(max_batch=4)
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
