@@ -314,8 +314,10 @@ class Engine:
         self._shut_down()
 
     def _fed(self) -> list[Sequence]:
-        """The sequence whose prompt is being fed a chunk per iteration, if any."""
-        return [] if self.sched.prefilling is None else [self.sched.prefilling.seq]
+        """The sequence whose prompt is being fed a chunk per iteration, if any (read once:
+        ``load`` runs in other threads while the engine's may end the feeding)."""
+        fed = self.sched.prefilling
+        return [] if fed is None else [fed.seq]
 
     def _idle(self) -> bool:
         """Nothing to do (under the lock): no request active or queued, no Score job."""
@@ -368,6 +370,7 @@ class Engine:
 
     def _iteration(self, admit: list[Sequence]) -> None:
         sched, output = self.sched, self.output
+        fed = sched.prefilling is not None  # (an admission feeds a new one's first chunk)
         if admit:
             output.wake_staged()  # before a prefill that may take a while
             self._admit(admit)
@@ -378,7 +381,7 @@ class Engine:
         if sched.active:
             self.runner.step()
         sched.retire_done()
-        if sched.prefilling is not None and not admit:  # (an admission fed its first chunk)
+        if fed and sched.prefilling is not None:
             self.runner.prefill_next()
         if output.due(time.monotonic()):
             output.wake_staged()

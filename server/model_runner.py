@@ -78,8 +78,21 @@ class ModelRunner(KeptRows):
     # --- prefill -------------------------------------------------------------------------------
     def prefill(self, plain: list[Sequence], attn: list[Sequence]) -> None:
         """Admitted sequences into the next free slots: their first tokens are chosen (a long
-        prompt admitted alone: after its chunks, one an iteration, ``prefill_next``)."""
-        self._lone = self.sched.interleave and len(plain) + len(attn) == 1
+        prompt's after its chunks, one an iteration: ``prefill_next``; it goes in after the
+        others admitted with it)."""
+        k = len(plain) + len(attn)
+        if self.sched.prefilling is not None and k:
+            self._make_room(k)
+        long = None
+        if self.sched.interleave and self.sched.prefilling is None and k > 1:
+            long = next((s for s in plain if self.sched.long(s)), None)
+            plain = [s for s in plain if s is not long]
+        self._lone = self.sched.interleave and k == 1 and self.sched.prefilling is None
+        self._admit(plain, attn)
+        if long is not None:  # (alone, the last placed: its slot follows the others')
+            self.prefill([long], [])
+
+    def _admit(self, plain: list[Sequence], attn: list[Sequence]) -> None:
         later: list[Sequence] = []
         if self.prefix is not None:
             plain, later = self._split_cached(plain)
@@ -268,10 +281,20 @@ class ModelRunner(KeptRows):
             last = self.lm.extend(kv, slot, chunk, last=True)[-1]  # (1, V) -> (V,)
         return last
 
+    def _make_room(self, k: int) -> None:
+        """The prompt being fed moves ``k`` slots up, past the ``k`` sequences admitted now
+        (its rows so far with it): the active sequences keep the first slots."""
+        kv = self.sched.kv
+        src = len(self.sched.active)
+        if self.slot_rows is not None:  # (rows the slot kept that wait for the pool: first)
+            self._take(kv, [src + k])
+        kv.move(src, src + k)
+        kv.clear(src)
+
     def _defer(self, seq: Sequence, rows: int) -> bool:
-        """The lone admission ``seq``, whose slot (the next free one) holds its first ``rows``
-        rows, goes on a chunk per iteration (``Scheduler.prefilling``); False where it is not
-        alone (its prompt then goes in at once)."""
+        """``seq``, placed alone and last in its admission (``prefill``), whose slot (the next
+        free one) holds its first ``rows`` rows, goes on a chunk per iteration
+        (``Scheduler.prefilling``); False otherwise (its prompt then goes in at once)."""
         if not self._lone:
             return False
         self.sched.prefilling = Prefilling(seq, rows, self.sched.prefill_tokens())

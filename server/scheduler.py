@@ -6,12 +6,13 @@ expired sequence leaves its slot within one step, the last slot moving into the 
 cache's ``move``), and the cache gives back what long sequences left. Active sequence ``i``
 lives in KV slot ``i``.
 
-A prompt longer than one prefill call (``interleave``) is admitted alone and fed a chunk per
-engine iteration (``Prefilling``, in the slot after the active ones), the active sequences
-taking a step between its chunks: a long prompt no longer stops every stream for its whole
-prefill. Its rows are the ones the uninterrupted prefill makes (the same chunks, in order);
-nothing else is admitted until its first token. Not thread-safe: the engine calls the queue
-side under its lock.
+A prompt longer than one prefill call (``interleave``) is fed a chunk per engine iteration
+(``Prefilling``, in the slot after the active ones), the active sequences taking a step
+between its chunks: a long prompt no longer stops every stream for its whole prefill. Its
+rows are the ones the uninterrupted prefill makes (the same chunks, in order). One long
+prompt at a time: the shorter ones admitted with it are prefilled first, those arriving
+while it is fed are admitted beside it (its slot moves up past theirs), the next long one
+waits for its first token. Not thread-safe: the engine calls the queue side under its lock.
 """
 from __future__ import annotations
 
@@ -114,16 +115,19 @@ class Scheduler:
                 keep.append(seq)
         self.waiting = keep
         admit: list[Sequence] = []
-        if self.prefilling is not None:  # (its slot comes first)
-            return admit
-        while self.waiting and len(self.active) + len(admit) < self.max_batch:
+        fed = self.prefilling is not None  # (it holds a slot)
+        one_long = not fed  # long prompts: one at a time, the others keep their turn
+        skipped: list[Sequence] = []
+        while self.waiting and len(self.active) + len(admit) + fed < self.max_batch:
             if self.attention_alone and not self._fits_alone(admit):
                 break
-            if self.interleave and self.long(self.waiting[0]):  # admitted alone
-                if not admit:
-                    admit.append(self.waiting.popleft())
-                break
+            if self.interleave and self.long(self.waiting[0]):
+                if not one_long:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                one_long = False
             admit.append(self.waiting.popleft())
+        self.waiting.extendleft(reversed(skipped))
         return admit
 
     def long(self, seq: Sequence) -> bool:

@@ -1,6 +1,7 @@
 """A long prompt fed a chunk per engine iteration (``Scheduler.prefilling``): the active
 sequences step between its chunks, its rows and tokens are those of the uninterrupted prefill,
-and a sequence leaving, a cancellation or a cached prefix on the way changes nothing else."""
+shorter prompts go before it or beside it, and a sequence leaving, a cancellation or a cached
+prefix on the way changes nothing else."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,23 +74,78 @@ def _calls(monkeypatch, lm) -> list[str]:
     return calls
 
 
-def test_a_long_prompt_is_admitted_alone_and_nothing_while_it_is_fed():
+def test_long_prompts_are_admitted_one_at_a_time_and_shorter_ones_beside_them():
     s = _sched(chunk=64)
     s.interleave = True
-    for seq in _seqs(10, 200, 12):
+    for seq in _seqs(10, 200, 12, 300, 5):
         s.enqueue(seq)
-    first = s.take_admissions()
-    assert [len(x.prefill_ids) for x in first] == [10]  # (stops at the long one)
-    second = s.take_admissions()
-    assert [len(x.prefill_ids) for x in second] == [200]
-    s.prefilling = Prefilling(second[0], 64, 64)
-    assert s.take_admissions() == []
+
+    def take():
+        return [len(x.prefill_ids) for x in s.take_admissions()]
+    assert take() == [10, 200, 12, 5]  # one long prompt; the next keeps its turn
+    assert [len(x.prefill_ids) for x in s.waiting] == [300]
+    s.prefilling = Prefilling(_seqs(200)[0], 64, 64)  # (being fed)
+    for seq in _seqs(7, 250):
+        s.enqueue(seq)
+    assert take() == [7]  # shorter ones beside it, the long ones wait in their order
+    assert [len(x.prefill_ids) for x in s.waiting] == [300, 250]
     s.prefilling = None
-    assert [len(x.prefill_ids) for x in s.take_admissions()] == [12]
+    assert take() == [300]
+    assert take() == [250]
     s.interleave = False
-    for seq in _seqs(10, 200, 12):
+    for seq in _seqs(10, 200, 12, 300):
         s.enqueue(seq)
-    assert len(s.take_admissions()) == 3
+    assert len(s.take_admissions()) == 4
+    # the slot the one being fed holds counts: with max_batch - 1 active, nothing more
+    s.interleave = True
+    s.active = _seqs(*[3] * 7)
+    s.prefilling = Prefilling(_seqs(200)[0], 64, 64)
+    s.enqueue(_seqs(4)[0])
+    assert s.take_admissions() == []
+
+
+def test_a_short_prompt_arriving_while_a_long_one_is_fed_starts_at_once(lm, monkeypatch):
+    prompts = [(SHORT, 30), (LONG, 6)]
+    late = ([7, 8, 9, 10], 12)
+    e = _engine(lm, True)
+    calls: list[str] = []
+    inside: list[int] = []  # (extend calls prefill: those are not recorded again)
+    for name in ("prefill", "extend"):
+        orig = getattr(lm, name)
+
+        def spy(kv, slot, ids, *a, _orig=orig, _name=name, **k):
+            if not inside:
+                calls.append(f"{_name} {slot}" + (f" x{len(ids[0])}" if _name == "prefill"
+                                                  else ""))
+            inside.append(1)
+            try:
+                return _orig(kv, slot, ids, *a, **k)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(lm, name, spy)
+    handles: list = []
+
+    def hook(work):  # (the engine's thread: the late request arrives while LONG is fed)
+        work()
+        if e.sched.prefilling is not None and not handles:
+            handles.extend(e.submit_many([_req(*late)]))
+    e.iteration_hook = hook
+    try:
+        got = _run(e, prompts)
+        evs = list(handles[0])
+        monkeypatch.undo()
+        assert e.sched.prefilling is None
+    finally:
+        e.stop()
+    # the short prompt first, the long one's first chunk after it (in slot 1); the late one,
+    # admitted while the long one was fed, into slot 1 too, the long one's rows moving to
+    # slot 2, where its next chunks went (back in slot 1 once the late one had left)
+    assert calls[:4] == ["prefill 0 x6", "prefill 1 x16", "prefill 1 x4", "extend 2"]
+    assert len(calls) == 3 + len(LONG) // 16 and set(calls[3:]) <= {"extend 1", "extend 2"}
+    toks = [x.token_id for x in evs if isinstance(x, TokenEvent)]
+    want = _reference(lm, [*prompts, late])
+    _same(got, want[:2])
+    assert toks == want[2][0]
 
 
 def test_the_active_sequences_step_between_a_long_prompts_chunks(lm, monkeypatch):
