@@ -26,8 +26,10 @@ import onnxruntime as ort
 
 
 from .base import CAPACITY_CHUNK, ArtifactRunner
+from . import gqa_compat
 from .device_kv import DeviceKV, KVOps
-from .providers import bound_run, device_of
+from .gqa_compat import gqa_takes_query_seqlens
+from .providers import bound_run, device_of, input_homes
 from .spec import INPUT_IDS, QUERY_SEQLENS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH, fused_spec_from
 
 log = logging.getLogger(__name__)
@@ -61,9 +63,13 @@ class Prefilled:
 class _Bound:
     """One IO binding of the graph over slots [lo, lo + n) with S new tokens per slot: the KV
     slices bound in place, logits into a preallocated host array, and the small inputs as
-    host arrays behind OrtValues. An OrtValue in host memory shares its array (a write to the
-    array is the update); one on the device is refreshed from it (``update_inplace``, a few
-    bytes) before each run.
+    host arrays behind OrtValues, each where the session reads it (``FusedLM.homes``: a CUDA
+    kernel may read an input in host memory, as GroupQueryAttention does its counters). An
+    OrtValue in host memory shares its array (a write to the array is the update); one on the
+    device is refreshed from it (``update_inplace``, a few bytes) before each run. (A value
+    bound where the session does not read it is copied there when it is bound, not at each
+    run; where this onnxruntime cannot say where it reads them, the inputs are bound again
+    before each run.)
 
     ``last``: logits for each slot's last new token only (``rows`` is set per call), where the
     graph takes ``logits_rows``; otherwise for all S positions (``rows`` = 0..S-1, fixed)."""
@@ -88,14 +94,16 @@ class _Bound:
             arrays[spec.logits_rows] = self.rows
         self._refresh: list[tuple[ort.OrtValue, np.ndarray]] = []
         self._values: dict[str, ort.OrtValue] = {}  # keeps the bound inputs alive with it
+        homes = lm.homes(attention)
+        self._rebind = homes is None and lm.device != "cpu"
+        self._where = {name: "cpu" if homes is None else homes.get(name, lm.device)
+                       for name in arrays}
         for name in arrays:
-            where = "cpu" if name in lm.host_inputs else lm.device
-            value = ort.OrtValue.ortvalue_from_numpy(arrays[name], where, 0)
-            if where != "cpu" and (name != spec.logits_rows or last):  # (all rows: fixed)
-                self._refresh.append((value, arrays[name]))
+            value = ort.OrtValue.ortvalue_from_numpy(arrays[name], self._where[name], 0)
+            if self._where[name] != "cpu" and (name != spec.logits_rows or last):
+                self._refresh.append((value, arrays[name]))  # (all rows: fixed)
             self._values[name] = value
             b.bind_ortvalue_input(name, value)
-        self._ids_where = "cpu" if INPUT_IDS in lm.host_inputs else lm.device
         kv_dt, shape = kv.ops.dtype, kv.slice_shape(n)
         for i in range(cfg.n_layers):
             for k, bufs in (("key", kv.k), ("value", kv.v)):
@@ -106,7 +114,8 @@ class _Bound:
         b.bind_output("logits", "cpu", 0, np.float32, list(self.logits.shape),
                       self.logits.ctypes.data)
         self.attn_names = [spec.attn(i) for i in range(cfg.n_layers)] if attention else []
-        self.needs_sync = bool(self._refresh or self.attn_names)  # (CPU, plain: nothing to do)
+        # (CPU, plain: nothing to do)
+        self.needs_sync = bool(self._refresh or self.attn_names or self._rebind)
         self.run = bound_run(sess, b)
 
     def reshape(self, S: int) -> None:
@@ -116,9 +125,9 @@ class _Bound:
             return
         old = self.ids
         self.ids = np.zeros((old.shape[0], S), np.int64)
-        value = ort.OrtValue.ortvalue_from_numpy(self.ids, self._ids_where, 0)
+        value = ort.OrtValue.ortvalue_from_numpy(self.ids, self._where[INPUT_IDS], 0)
         self._refresh = [(v, a) for v, a in self._refresh if a is not old]
-        if self._ids_where != "cpu":
+        if self._where[INPUT_IDS] != "cpu":
             self._refresh.append((value, self.ids))
         self.binding.bind_ortvalue_input(INPUT_IDS, value)
         self._values[INPUT_IDS] = value  # (the old ids are bound no more: let them go)
@@ -127,6 +136,9 @@ class _Bound:
         """After the host arrays were written: device copies, fresh attention outputs."""
         for value, arr in self._refresh:
             value.update_inplace(arr)
+        if self._rebind:  # (copied where the session reads them: now)
+            for name, value in self._values.items():
+                self.binding.bind_ortvalue_input(name, value)
         for name in self.attn_names:  # (n, H, S, total): its shape changes every call
             self.binding.bind_output(name, "cpu")
 
@@ -146,22 +158,33 @@ class FusedLM(ArtifactRunner):
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None,
-                 attention_copy: bool = False):
+                 attention_copy: bool = False, padding_counted: bool | None = None):
         super().__init__(artifact_dir, provider, threads, spin, tf32, options, attention_copy)
         runtime = self.runtime = self.manifest["runtime"]
+        # an onnxruntime whose GroupQueryAttention lacks ``query_seqlens`` (before 1.32): the
+        # graphs are loaded without it and a call's padding counted as tokens (``gqa_compat``;
+        # ``padding_counted`` forces either way: tests)
+        self.padding_counted = not gqa_takes_query_seqlens() if padding_counted is None \
+            else padding_counted
         self.device = device_of(self.providers)
-        self.host_inputs = set(runtime.get("host_inputs", ())) if self.device != "cpu" else set()
         self._specs = {False: fused_spec_from(runtime, False), True: fused_spec_from(runtime,
                                                                                      True)}
+        # a paired graph's K/V row past each slot's new rows (``FusedSpec.paired``)
+        self.spare_rows = int(self._specs[False].paired)
+        if self.spare_rows and self.padding_counted:
+            raise RuntimeError(
+                f"a paired-attention artifact needs GroupQueryAttention's query_seqlens input "
+                f"(onnxruntime >= 1.32; this is {ort.__version__}): its decode steps are "
+                f"two-row calls with a past, which the op without it takes only at batch 1. "
+                f"Export without --paired-attention, or run a newer onnxruntime.")
+        self._homes: dict[bool, dict[str, str] | None] = {}
         self._sessions: dict[bool, ort.InferenceSession] = {False: self._load("main")}
         self.provider = self._sessions[False].get_providers()[0]
         self._attention_graph = attention and "attention" in runtime["graphs"]
-        # a paired graph's K/V row past each slot's new rows (``FusedSpec.paired``)
-        self.spare_rows = int(self._specs[False].paired)
         kv_dtype = _DTYPES[runtime["kv"]["dtype"]]
         self.ops = KVOps(self.providers, self.device, kv_dtype)
         self._bound: dict[tuple, _Bound] = {}  # decode steps': (attention, n, generation)
-        self._verify_bound: dict[tuple, _Bound] = {}  # verifications': (n, S, generation)
+        self._verify_bound: dict[tuple, _Bound] = {}  # verifications': (lo, n, S, generation)
         self._prefill_bound: dict[tuple, _Bound] = {}  # last-row prefills': (lo, n, generation)
 
     supports_verify = True  # ``verify``: one call of the graph, whatever the draft lengths
@@ -170,7 +193,28 @@ class FusedLM(ArtifactRunner):
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
         options = self.options if role == "main" else self.diagnostics_options
-        return ort.InferenceSession(str(path), options, providers=self.providers)
+        if self.padding_counted:
+            sess = gqa_compat.session(path, options, self.providers)
+        else:
+            sess = ort.InferenceSession(str(path), options, providers=self.providers)
+        self._homes[role != "main"] = homes = input_homes(sess, self.device)
+        spec = self._specs[role != "main"]
+        strays = sorted({home for i in range(self.cfg.n_layers) for k in ("key", "value")
+                         if (home := (homes or {}).get(spec.past(i, k), self.device))
+                         != self.device})
+        if strays:
+            raise RuntimeError(
+                f"onnxruntime {ort.__version__} runs this artifact's attention on "
+                f"{', '.join(strays)}, not on {self.device}: it has no {self.device} "
+                f"GroupQueryAttention kernel for its {self.runtime['kv']['dtype']} cache, "
+                f"which the fused runtime keeps on the device and the op writes in place. "
+                f"Export for this provider (fp16 on CUDA), or serve it on the CPU.")
+        return sess
+
+    def homes(self, attention: bool) -> dict[str, str] | None:
+        """Where the graph's session reads each input (``cpu`` or the device); None where
+        this onnxruntime cannot say."""
+        return self._homes.get(attention)
 
     @property
     def has_attention(self) -> bool:
@@ -219,20 +263,18 @@ class FusedLM(ArtifactRunner):
         last = last and S > 1  # a step's one row is its last
         used = kv.used[lo:lo + n]
         top = int(used.max()) + S  # enough rows for every slot, whatever its qlen
-        if top > self.cfg.max_seq_len:  # (padding included: its positions are looked up in
-            # the graph's position tables)
-            raise ValueError(f"a prefill row, padded to the longest, would pass the model's "
-                             f"context of {self.cfg.max_seq_len} tokens (feed it alone)")
+        self._within_context(top, "prefill")
         kv.ensure_capacity(top + self.spare_rows)
         if last and not attention and self.last_rows:
             bound = self._prefill_binding(kv, lo, n, S)
         else:
             bound = _Bound(self, self.session(attention), kv, lo, n, S, attention, last)
         bound.ids[...] = ids
-        bound.qlens[...] = qlens
+        fed = S if self.padding_counted else qlens  # (the padding counted: ``gqa_compat``)
+        bound.qlens[...] = fed
+        np.subtract(used + fed, 1, out=bound.seqlens, casting="unsafe")
+        bound.total[...] = int((used + fed).max()) + self.spare_rows
         after = used + qlens  # (n,) each slot's rows after the call
-        np.subtract(after, 1, out=bound.seqlens, casting="unsafe")
-        bound.total[...] = after.max() + self.spare_rows
         if last and bound.rows is not None:
             np.subtract(qlens, 1, out=bound.rows[:, 0], casting="unsafe")
         self._call(bound)
@@ -249,6 +291,13 @@ class FusedLM(ArtifactRunner):
         ids = np.zeros((len(prompts), int(lens.max())), np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
+        if self._one_by_one(kv, lo, lens):
+            self._within_context(int(kv.used[lo:lo + len(lens)].max()) + int(lens.max()),
+                                 "prefill")
+            parts = [self.prefill(kv, lo + b, [p], attention, last)
+                     for b, p in enumerate(prompts)]
+            return Prefilled([x.logits[0].copy() for x in parts],
+                             [x.attention[0] for x in parts] if attention else None)
         start = kv.used[lo:lo + len(prompts)].copy()
         bound = self._run(kv, lo, ids, lens, attention, last=last)
         if not last:
@@ -319,23 +368,46 @@ class FusedLM(ArtifactRunner):
         lens = [len(r) for r in rows]
         if len(rows) != n or not all(lens):
             raise ValueError("verify needs one non-empty row per slot")
+        if self._one_by_one(kv, 0, lens):  # (the same bound as one call's)
+            self._within_context(int(kv.used[:n].max()) + max(lens))
+            out = np.zeros((n, max(lens), self.cfg.vocab_size), np.float32)
+            for b, r in enumerate(rows):
+                out[b, :len(r)] = self._verify(kv, b, [r])[0]
+            return out
+        return self._verify(kv, 0, rows)
+
+    def _within_context(self, top: int, what: str = "verification") -> None:
+        """A call's rows padded to the longest end by ``top``: within the context? (Padding
+        included: its positions are looked up in the graph's position tables.) Calls made a
+        row at a time (``_one_by_one``) keep the bound of one call."""
+        if top > self.cfg.max_seq_len:
+            raise ValueError(f"a {what} row, padded to the longest, would pass the model's "
+                             f"context of {self.cfg.max_seq_len} tokens ("
+                             + ("cap the drafts)" if what == "verification" else
+                                "feed it alone)"))
+
+    def _one_by_one(self, kv: DeviceKV, lo: int, lens) -> bool:
+        """Whether a call must go a row at a time: several rows of more than one token, one
+        with a past, where GroupQueryAttention has no ``query_seqlens`` (the op then takes
+        several multi-token rows only as first prompts: ``gqa_compat``)."""
+        return self.padding_counted and len(lens) > 1 and max(lens) > 1 and \
+            bool(kv.used[lo:lo + len(lens)].any())
+
+    def _verify(self, kv: DeviceKV, lo: int, rows: list) -> np.ndarray:
+        """``verify`` of slots [lo, lo + len(rows)) in one call."""
+        n, lens = len(rows), [len(r) for r in rows]
         S = max(lens)
         longs = _longs(n)
-        used = longs.unpack_from(kv.used)  # each slot's rows before the call
+        used = longs.unpack_from(kv.used, 8 * lo)  # each slot's rows before the call
         after = [u + m for u, m in zip(used, lens)]
-        top = max(after)
-        if max(used) + S > self.cfg.max_seq_len:  # (padding included: its positions are
-            # looked up in the graph's position tables)
-            raise ValueError(f"a verification row, padded to the longest, would pass the "
-                             f"model's context of {self.cfg.max_seq_len} tokens (cap the "
-                             f"drafts)")
+        self._within_context(max(used) + S)
         kv.ensure_capacity(max(used) + S + self.spare_rows)
-        key = (n, S, kv.generation)
+        key = (lo, n, S, kv.generation)
         bound = self._verify_bound.get(key)
         if bound is None:
             self._verify_bound = {k: v for k, v in self._verify_bound.items()
-                                  if k[2] == kv.generation}
-            bound = self._verify_bound[key] = _Bound(self, self.session(False), kv, 0, n, S,
+                                  if k[3] == kv.generation}
+            bound = self._verify_bound[key] = _Bound(self, self.session(False), kv, lo, n, S,
                                                      False, False)
         flat: list[int] = []
         for r, m in zip(rows, lens):
@@ -344,11 +416,12 @@ class FusedLM(ArtifactRunner):
                 flat += [0] * (S - m)
         _longs(n * S).pack_into(bound.ids, 0, *flat)
         ints = _ints(n)
-        ints.pack_into(bound.qlens, 0, *lens)
-        ints.pack_into(bound.seqlens, 0, *[a - 1 for a in after])
-        _INT.pack_into(bound.total, 0, top + self.spare_rows)
+        fed = [S] * n if self.padding_counted else lens  # (``gqa_compat``)
+        ints.pack_into(bound.qlens, 0, *fed)
+        ints.pack_into(bound.seqlens, 0, *[u + m - 1 for u, m in zip(used, fed)])
+        _INT.pack_into(bound.total, 0, max(u + m for u, m in zip(used, fed)) + self.spare_rows)
         self._call(bound)
-        longs.pack_into(kv.used, 0, *after)
+        longs.pack_into(kv.used, 8 * lo, *after)
         return bound.logits
 
     def _prefill_binding(self, kv: DeviceKV, lo: int, n: int, S: int) -> _Bound:

@@ -24,7 +24,30 @@ def choose_providers(provider: str = "auto", tf32: bool = False) -> list:
                            "CUDAExecutionProvider (install onnxruntime-gpu on a CUDA host)")
     if provider == "cpu" or CUDA not in available:
         return [CPU]
+    _preload_cuda_libraries()
     return [(CUDA, {"use_tf32": "1" if tf32 else "0"}), CPU]
+
+
+@functools.cache
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries onnxruntime-gpu needs before its first CUDA session:
+    where they come as Python packages (``nvidia-*``, or torch's) rather than from the
+    system's library path, the CUDA provider finds them only so (onnxruntime's
+    ``preload_dlls``; what it prints goes to the debug log)."""
+    import contextlib
+    import io
+    import logging
+
+    if not hasattr(ort, "preload_dlls"):
+        return
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):
+            ort.preload_dlls()
+    except Exception as e:  # (a library it could not load: the session reports what is missing)
+        said.write(f"{type(e).__name__}: {e}")
+    if said.getvalue().strip():
+        logging.getLogger(__name__).debug("onnxruntime.preload_dlls: %s", said.getvalue())
 
 
 def provider_name(p) -> str:
@@ -34,6 +57,28 @@ def provider_name(p) -> str:
 def device_of(providers: list) -> str:
     """The OrtValue device type of the first provider: ``cuda`` or ``cpu``."""
     return "cuda" if provider_name(providers[0]) == CUDA else "cpu"
+
+
+def input_homes(sess: ort.InferenceSession, device: str) -> dict[str, str] | None:
+    """Where ``sess`` reads each input: ``cpu`` or ``device`` (onnxruntime's memory info of
+    the inputs, which a CUDA kernel may ask for in host memory); None where this onnxruntime
+    cannot say (before the memory-info API)."""
+    get = getattr(sess, "get_input_memory_infos", None)
+    if device == "cpu":
+        return {i.name: "cpu" for i in sess.get_inputs()}
+    if get is None:
+        return None
+    try:
+        infos = get()
+    except Exception:  # (an onnxruntime that declares it but cannot answer)
+        return None
+    homes = {}
+    for meta, info in zip(sess.get_inputs(), infos):
+        name = str(info.name).lower()
+        on_device = name.startswith("cuda") and "pinned" not in name and \
+            info.mem_type == ort.OrtMemType.DEFAULT
+        homes[meta.name] = device if on_device else "cpu"
+    return homes
 
 
 def bound_run(sess: ort.InferenceSession, binding: ort.IOBinding) -> Callable[[], None]:

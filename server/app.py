@@ -104,7 +104,9 @@ class App:
             # verified: tokenizer.json is either listed in the manifest and intact, or absent
             tok_path = self.dir / TOKENIZER
             self.tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            # (RuntimeError: what the provider cannot run, e.g. a float32 cache on an
+            # onnxruntime-gpu without a CUDA attention kernel for it; onnxruntime's own errors)
             raise ArtifactError(f"cannot load {self.dir}: {e}") from None
         mcfg = self.lm.cfg
         eos = mcfg.eos_token_id

@@ -1,5 +1,6 @@
 """Fixtures for the runner tests: the export matrix's ``llama`` model (tests/export_matrix.py)
-exported once as a fused and once as a portable artifact, and a runner of each kind."""
+exported once as a fused and once as a portable artifact, and a runner of each kind (the fused
+one twice: also as onnxruntime releases without ``query_seqlens`` run it)."""
 from __future__ import annotations
 
 
@@ -41,7 +42,12 @@ def artifacts(tmp_path_factory, main_model) -> dict:
             for kind in ("fused", "portable")}
 
 
-@pytest.fixture(scope="package", params=["fused", "portable"])
+@pytest.fixture(scope="package", params=["fused", "fused-padding-counted", "portable"])
 def lm(request, artifacts):
-    cls = FusedLM if request.param == "fused" else PortableLM
-    return cls(artifacts[request.param], provider="cpu", threads=THREADS, attention=False)
+    """``fused-padding-counted``: the fused graph as an onnxruntime without
+    GroupQueryAttention's ``query_seqlens`` runs it (before 1.32: ``artifact.gqa_compat``)."""
+    if request.param == "portable":
+        return PortableLM(artifacts["portable"], provider="cpu", threads=THREADS,
+                          attention=False)
+    return FusedLM(artifacts["fused"], provider="cpu", threads=THREADS, attention=False,
+                   padding_counted=request.param == "fused-padding-counted")

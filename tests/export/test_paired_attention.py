@@ -57,6 +57,15 @@ def short(request, short_int4, short_windowed):
     return short_int4 if request.param == "int4" else short_windowed
 
 
+def test_an_onnxruntime_without_query_seqlens_refuses_it(short_int4):
+    """Its decode steps are two-row calls with a past, which GroupQueryAttention without
+    ``query_seqlens`` (onnxruntime < 1.32) takes only at batch 1: refused, saying so."""
+    from kvserve.artifact.fused import FusedLM
+
+    with pytest.raises(RuntimeError, match="query_seqlens input"):
+        FusedLM(short_int4, provider="cpu", threads=1, attention=False, padding_counted=True)
+
+
 def test_the_graph_pads_each_attention_and_the_manifest_says_so(short_int4):
     m = json.loads((short_int4 / "manifest.json").read_text())
     assert m["runtime"]["paired_attention"] is True
