@@ -1,15 +1,25 @@
 """The CUDA check (``kvserve bench --provider cuda``): the fused runtime on a GPU against the CPU
 provider and against transformers on the same weights.
 
-Per benchmark size (default bench-6m; bench-100m when the machine can build it):
-  1. correctness, fp32 with TF32 off: teacher-forced logits, CUDA vs CPU, over ``rows`` x
-     ``steps`` (the CPU's greedy tokens fed to both), max |Δlogit| (target <= 1e-4); and greedy
-     tokens generated independently on each provider, equal?
-  2. fp16 on CUDA (float16 KV cache): perplexity of a text vs fp32 (target change <= 1%);
-  3. speed: batch-1 tok/s of the fused loop vs transformers eager on CUDA (target >= 3x) and
-     step(1000) / step(16) at batch 16 (target <= 1.2).
-Writes JSON to ``--out``. ``--provider cpu`` runs the same logic on the CPU against itself (a
-smoke test of this script on machines without a GPU; its figures say nothing about CUDA).
+Per benchmark size (default bench-6m; bench-100m when the machine can build it), per precision
+(fp32 and fp16; int8 / int4 where their artifacts are found):
+  1. correctness: teacher-forced logits, device vs CPU on the same artifact, over ``rows`` x
+     ``steps`` (the CPU's greedy tokens fed to both), max |Δlogit| (fp32 with TF32 off:
+     target <= 1e-4; the other precisions' kernels round apart: a figure), and greedy tokens
+     generated independently on each provider;
+  2. the serving path (``cuda_engine``): the engine's speed features (prefix cache,
+     speculation, interleaved prefill) on vs off over one workload, tokens equal and logprobs
+     within 1e-4; batch-1 tok/s and step(1000) / step(16) at batch 16;
+then fp16's perplexity change against fp32 (target <= 1%), and on the first precision the
+device runs: ``kvserve serve`` on the provider (a request's tokens over gRPC equal to the
+in-process engine's), batch-1 tok/s against transformers eager fp32 on the device (target
+>= 3x), the engine's features' figures there (speculation on a repeating prompt, a cached
+prefix's time to first token, engine vs loop at batch 1 and 8).
+Artifacts already under ``--cache``/models/<size>/ (fp32/, fp16/) are used as they are (made
+here and carried to a GPU machine); missing ones are built. Each section's result (or the
+error it raised) is written to ``--out`` as soon as it is known. ``--provider cpu`` runs the
+same logic on the CPU against itself (a smoke test of this script on machines without a GPU;
+its figures say nothing about CUDA).
 CUDA graphs (``enable_cuda_graph``) are not used: the decode step's shapes (batch, the
 attention length through ``total_sequence_length``) change every step, which a captured graph
 cannot follow without fixed-capacity buckets; left for later, off.
@@ -106,46 +116,164 @@ def hf_tok_per_s(hf_dir: Path, prompts: np.ndarray, n: int, device: str) -> floa
     return len(prompts) * n / best
 
 
-def check_size(name: str, cache: Path, provider: str, threads: int, rows: int, steps: int
-               ) -> dict:
-    from kvserve.export.precision import perplexity
-
+def _artifacts(name: str, cache: Path, threads: int) -> tuple:
+    """(size, the fp32 and fp16 artifacts, a maker of the transformers copy): artifacts found
+    under ``cache/models/<name>/`` are used as they are (made on another machine and carried
+    to the GPU one), the missing ones built here."""
     from . import build as B
 
-    built = B.build(name, cache, genai=False, int8=False, threads=threads)
-    fp16 = B.build_artifacts(built.ckpt, built.root / "fp16", "fp16", threads)
-    vocab = built.size.vocab
+    size, root = B.sizes()[name], cache / "models" / name
+
+    def hf() -> Path:
+        return B.build_hf(size, cache, root / "hf")
+
+    def made(precision: str) -> Path:
+        d = root / precision
+        if (d / "manifest.json").is_file():
+            return d
+        return B.build_artifacts(B.build_ckpt(hf(), root / "ckpt"), d, precision, threads)
+    return size, made("fp32"), made("fp16"), hf
+
+
+def _section(out: dict, key: str, save, fn, *a, **kw) -> None:
+    """``out[key] = fn(...)``, or the error it raised (the check goes on to the next section);
+    the results so far are saved after each section."""
+    t0 = time.perf_counter()
+    try:
+        out[key] = fn(*a, **kw)
+    except Exception as e:  # a check reports what broke and carries on
+        log.exception("%s failed", key)
+        out[key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+    if isinstance(out[key], dict):
+        out[key]["seconds"] = round(time.perf_counter() - t0, 1)
+    save()
+
+
+def _correctness(cpu, dev, vocab: int, rows: int, steps: int) -> dict:
     prompts = np.random.default_rng(3).integers(2, vocab, (rows, 32))
-    cpu = _lm(built.fp32, "cpu", threads)
-    dev = _lm(built.fp32, provider, threads)
-    out: dict = {"size": name, "device_provider": dev.provider}
-    out["teacher_forced_fp32"] = teacher_forced(cpu, dev, prompts, steps)
     same = greedy(cpu, prompts, steps) == greedy(dev, prompts, steps)
-    out["greedy_fp32"] = {"rows": rows, "steps": steps, "equal": bool(same.all()),
-                          "agreement": float(same.mean())}
-    ids = np.random.default_rng(5).integers(2, vocab, 1024).tolist()
-    dev16 = _lm(fp16, provider, threads)
-    p32, p16 = perplexity(dev, ids, 512), perplexity(dev16, ids, 512)
-    out["fp16_perplexity"] = {"fp32": p32, "fp16": p16, "relative_change": p16 / p32 - 1.0}
-    one = prompts[:1]
-    out["speed"] = {
-        "kvserve_bs1_tok_s": tok_per_s(dev, one, 128),
-        "kvserve_fp16_bs1_tok_s": tok_per_s(dev16, one, 128),
-        "transformers_eager_bs1_tok_s": hf_tok_per_s(
-            built.hf, one, 128, "cuda" if provider == "cuda" else "cpu"),
-        "step_ms_bs16": {str(p): step_ms(dev, 16, p, vocab) for p in (16, 1000)},
-    }
-    s = out["speed"]
-    s["ratio_vs_transformers"] = s["kvserve_bs1_tok_s"] / s["transformers_eager_bs1_tok_s"]
-    s["step_ratio_bs16"] = s["step_ms_bs16"]["1000"] / s["step_ms_bs16"]["16"]
-    out["targets"] = {
-        "greedy_equal": out["greedy_fp32"]["equal"],
-        "teacher_forced_le_1e-4": out["teacher_forced_fp32"]["max_abs_logit"] <= 1e-4,
-        "fp16_ppl_change_le_1pct": abs(out["fp16_perplexity"]["relative_change"]) <= 0.01,
-        "bs1_ge_3x_transformers": s["ratio_vs_transformers"] >= 3.0,
-        "step_ratio_bs16_le_1.2": s["step_ratio_bs16"] <= 1.2,
-    }
+    return {"teacher_forced": teacher_forced(cpu, dev, prompts, steps),
+            "greedy": {"rows": rows, "steps": steps, "equal": bool(same.all()),
+                       "agreement": float(same.mean())}}
+
+
+def _precision(art: Path, provider: str, threads: int, vocab: int, rows: int, steps: int
+               ) -> dict:
+    """An artifact on the device against the same artifact on the CPU (exact for fp32 with
+    TF32 off; quantized and fp16 kernels round apart: a figure), the engine's features on it
+    (on by default where its rows do not round with the call's shape), its batch-1 speed."""
+    from kvserve.server.rounding import shape_sensitive
+
+    from . import cuda_engine as E
+
+    cpu, dev = _lm(art, "cpu", threads), _lm(art, provider, threads)
+    out = _correctness(cpu, dev, vocab, rows, steps)
+    out["provider"] = dev.provider
+    out["engine_exactness"] = E.exactness(art, provider, threads,
+                                          features=not shape_sensitive(dev))
+    one = np.random.default_rng(3).integers(2, vocab, (1, 32))
+    out["bs1_tok_s"] = tok_per_s(dev, one, 128)
+    far = min(1000, dev.cfg.max_seq_len - 40)  # (a tiny test model's context is shorter)
+    out["step_ms_bs16"] = {str(p): step_ms(dev, 16, p, vocab) for p in (16, far)}
     return out
+
+
+def _fp16(fp32: Path, fp16: Path, provider: str, threads: int, vocab: int) -> dict:
+    """fp16 on the device against fp32 on the CPU: the perplexity of a random text."""
+    from kvserve.export.precision import perplexity
+
+    ids = np.random.default_rng(5).integers(2, vocab, 1024).tolist()
+    p32 = perplexity(_lm(fp32, "cpu", threads), ids, 512)
+    p16 = perplexity(_lm(fp16, provider, threads), ids, 512)
+    return {"fp32_cpu": p32, "fp16": p16, "relative_change": p16 / p32 - 1.0}
+
+
+def _vs_transformers(art: Path, hf, provider: str, threads: int, vocab: int) -> dict:
+    one = np.random.default_rng(3).integers(2, vocab, (1, 32))
+    s = {"artifact": art.name, "kvserve_bs1_tok_s": tok_per_s(_lm(art, provider, threads),
+                                                              one, 128),
+         "transformers_eager_fp32_bs1_tok_s": hf_tok_per_s(
+             hf(), one, 128, "cuda" if provider == "cuda" else "cpu")}
+    s["ratio"] = s["kvserve_bs1_tok_s"] / s["transformers_eager_fp32_bs1_tok_s"]
+    return s
+
+
+QUANTIZED = ("int8", "int4")
+
+
+def check_size(name: str, cache: Path, provider: str, threads: int, rows: int, steps: int,
+               save=lambda: None, out: dict | None = None) -> dict:
+    """The size's sections into ``out`` (saved after each by ``save``): each precision found
+    (fp32 and fp16 built when missing; int8 / int4 where carried), then fp16's perplexity,
+    the served path, the speed against transformers and the engine's features' figures, the
+    last three on the first precision the device runs."""
+    from . import cuda_engine as E
+
+    out = {} if out is None else out
+    out["size"] = name
+    size, fp32, fp16, hf = _artifacts(name, cache, threads)
+    V = size.vocab
+    arts = [fp32, fp16] + [cache / "models" / name / q for q in QUANTIZED
+                           if (cache / "models" / name / q / "manifest.json").is_file()]
+    for art in arts:
+        _section(out, art.name, save, _precision, art, provider, threads, V, rows, steps)
+    _section(out, "fp16_perplexity", save, _fp16, fp32, fp16, provider, threads, V)
+    runs = [a for a in (fp32, fp16) if "error" not in out[a.name]]
+    if runs:
+        _section(out, "server", save, E.server, runs[0], provider, threads)
+        _section(out, "vs_transformers", save, _vs_transformers, runs[0], hf, provider,
+                 threads, V)
+        _section(out, "engine_speed", save, E.speed, runs[0], provider, threads)
+        _section(out, "engine_repeatability", save, E.repeatability, runs[0], provider,
+                 threads)
+    out["targets"] = _targets(out)
+    save()
+    return out
+
+
+def _targets(out: dict) -> dict:
+    def get(*path):
+        x = out
+        for k in path:
+            if not isinstance(x, dict) or k not in x:
+                return None
+            x = x[k]
+        return x
+
+    def le(v, bound):
+        return None if v is None else v <= bound
+    fp16 = get("fp16_perplexity", "relative_change")
+    steps = sorted((int(k), v) for k, v in (get("fp32", "step_ms_bs16") or {}).items())
+    return {
+        "greedy_equal_fp32": get("fp32", "greedy", "equal"),
+        "teacher_forced_fp32_le_1e-4": le(get("fp32", "teacher_forced", "max_abs_logit"), 1e-4),
+        "fp16_ppl_change_le_1pct": None if fp16 is None else abs(fp16) <= 0.01,
+        **{f"engine_features_exact_{p}": get(p, "engine_exactness", "ok")
+           for p in ("fp32", "fp16", *QUANTIZED) if p in out},
+        "served_equals_in_process": get("server", "tokens_equal"),
+        "bs1_ge_3x_transformers": None if get("vs_transformers", "ratio") is None
+        else get("vs_transformers", "ratio") >= 3.0,
+        "step_ratio_bs16_fp32_le_1.2": le(steps[-1][1] / steps[0][1], 1.2) if steps else None,
+    }
+
+
+def _versions() -> dict:
+    """The versions that ran (onnxruntime's from the module: a GPU machine may hold both
+    onnxruntime-gpu and a CPU onnxruntime's metadata), and the GPU's name."""
+    import onnxruntime as ort
+
+    from .common import machine, versions
+
+    v = {**versions(), "onnxruntime": ort.__version__, "machine": machine(),
+         "providers": ort.get_available_providers()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            v["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return v
 
 
 def add_arguments(parser) -> None:
@@ -178,10 +306,22 @@ def main(args) -> int:
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             print("cuda check: onnxruntime has no CUDAExecutionProvider here", file=sys.stderr)
             return 2
-    res = {"sizes": [check_size(n, Path(args.cache), args.provider, args.threads, args.rows,
-                                args.steps) for n in args.sizes.split(",")]}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {"provider": args.provider, "versions": _versions(), "sizes": [],
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    def save() -> None:
+        out.write_text(json.dumps(res, indent=1) + "\n")
+    for name in args.sizes.split(","):
+        res["sizes"].append({"size": name})
+        try:
+            check_size(name, Path(args.cache), args.provider, args.threads, args.rows,
+                       args.steps, save, res["sizes"][-1])
+        except Exception as e:  # (building the size's artifacts): the next size still runs
+            log.exception("%s failed", name)
+            res["sizes"][-1]["error"] = f"{type(e).__name__}: {e}"[:2000]
+        save()
     print(json.dumps(res, indent=1))
     return 0
 

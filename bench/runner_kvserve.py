@@ -112,7 +112,7 @@ class EngineRunner(Runner):
 
     def __init__(self, artifact: str, threads: int, max_batch: int = 16,
                  prefix_cache_mb: int = 0, speculative_tokens: int = 0,
-                 inexact_speedups: bool = False):
+                 inexact_speedups: bool = False, provider: str = "cpu"):
         from tokenizers import Tokenizer as HFTokenizer
 
         from kvserve.artifact.loader import load_lm
@@ -120,7 +120,7 @@ class EngineRunner(Runner):
         from kvserve.server.detok import TokenBytes
         from kvserve.server.engine import Engine
 
-        self.lm = load_lm(artifact, provider="cpu", threads=threads, attention=False)
+        self.lm = load_lm(artifact, provider=provider, threads=threads, attention=False)
         self.cfg = self.lm.cfg
         tb = TokenBytes(HFTokenizer.from_file(str(Path(artifact) / "tokenizer.json")),
                         self.cfg.vocab_size)
