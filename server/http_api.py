@@ -104,7 +104,8 @@ class OpenAIApi:
     # --- app ---------------------------------------------------------------------------------
     def app(self, max_body: int) -> web.Application:
         self.max_body = max_body
-        app = web.Application(client_max_size=max_body, middlewares=[self._errors, self._check_auth])
+        app = web.Application(client_max_size=max_body,
+                              middlewares=[self._errors, self._check_auth])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models),

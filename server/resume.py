@@ -10,8 +10,9 @@ depends on its seed and position only, ``model.sampling``); and the engine's usu
 path feeds prompt + delivered tokens (``Sequence.prefill_ids``): one prefill of the delivered
 tokens, no other work. On unpaired int8, int4 and fp16 artifacts a prefill makes a token's
 rows differently from the one-token steps that made them in the earlier call
-(``server.rounding``; paired ones compute them alike): there the delivered tokens are fed one step each after the prompt's
-prefill (``Sequence.replay``), a step per delivered token before the first new one.
+(``server.rounding``; paired ones compute them alike): there the delivered tokens are fed one
+step each after the prompt's prefill (``Sequence.replay``), a step per delivered token before
+the first new one.
 
 Nothing about the draws is carried: position n's draw is the same whatever came before it,
 so the next token is drawn as the uninterrupted call would have drawn it. A sampled request
