@@ -178,8 +178,8 @@ def exactness(art: Path, provider: str, threads: int, features: bool = True) -> 
 def repeatability(art: Path, provider: str, threads: int) -> dict:
     """Whether the workload's tokens repeat from run to run on this provider: engines with
     the same settings (features off, a fresh one and the first one again; the server's
-    defaults twice), each pair compared. (On an H200, fp16: one request of 14 came out one of
-    two ways from run to run, the features off; bench/results/cuda-repeat.json.)"""
+    defaults twice), each pair compared. (On an H200, fp16: one request of 14 came out differently
+    from run to run, the features off; bench/results/cuda-repeat.json.)"""
     from kvserve.artifact.loader import load_lm
 
     cfg = load_lm(art, provider="cpu", threads=1, attention=False).cfg
