@@ -14,6 +14,7 @@ The same code runs on CPU and CUDA; only where an OrtValue lives differs (``devi
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import struct
@@ -58,6 +59,19 @@ def _ints(n: int) -> struct.Struct:
 class Prefilled:
     logits: list[np.ndarray]  # per sequence (T_b, V): row t predicts token t + 1
     attention: list[np.ndarray] | None  # per sequence (L, H, T_b, T_b), when asked
+
+
+@contextlib.contextmanager
+def _all_or_none(kv: DeviceKV, lo: int, n: int):
+    """Calls made a row at a time for slots [lo, lo + n): if one fails, the slots' row counts
+    go back to where they were (as one call's failure leaves them; the rows written past them
+    are never read)."""
+    before = kv.used[lo:lo + n].copy()
+    try:
+        yield
+    except BaseException:
+        kv.used[lo:lo + n] = before
+        raise
 
 
 class _Bound:
@@ -163,7 +177,9 @@ class FusedLM(ArtifactRunner):
         runtime = self.runtime = self.manifest["runtime"]
         # an onnxruntime whose GroupQueryAttention lacks ``query_seqlens`` (before 1.32): the
         # graphs are loaded without it and a call's padding counted as tokens (``gqa_compat``;
-        # ``padding_counted`` forces either way: tests)
+        # ``padding_counted`` forces either way: tests). The graph then loads from memory,
+        # and ``options`` (the caller's, when given) gets the artifact's directory as its
+        # external-initializers folder entry
         self.padding_counted = not gqa_takes_query_seqlens() if padding_counted is None \
             else padding_counted
         self.device = device_of(self.providers)
@@ -288,14 +304,17 @@ class FusedLM(ArtifactRunner):
         its last token's row only (1, V) (generation; the graph skips the head elsewhere),
         not all (T_b, V) (Score)."""
         lens = np.array([len(p) for p in prompts], np.int64)
+        if not len(lens) or not lens.all():
+            raise ValueError("prefill needs a non-empty prompt per slot")
         ids = np.zeros((len(prompts), int(lens.max())), np.int64)
         for b, p in enumerate(prompts):
             ids[b, :len(p)] = p
         if self._one_by_one(kv, lo, lens):
             self._within_context(int(kv.used[lo:lo + len(lens)].max()) + int(lens.max()),
                                  "prefill")
-            parts = [self.prefill(kv, lo + b, [p], attention, last)
-                     for b, p in enumerate(prompts)]
+            with _all_or_none(kv, lo, len(lens)):
+                parts = [self.prefill(kv, lo + b, [p], attention, last)
+                         for b, p in enumerate(prompts)]
             return Prefilled([x.logits[0].copy() for x in parts],
                              [x.attention[0] for x in parts] if attention else None)
         start = kv.used[lo:lo + len(prompts)].copy()
@@ -371,8 +390,9 @@ class FusedLM(ArtifactRunner):
         if self._one_by_one(kv, 0, lens):  # (the same bound as one call's)
             self._within_context(int(kv.used[:n].max()) + max(lens))
             out = np.zeros((n, max(lens), self.cfg.vocab_size), np.float32)
-            for b, r in enumerate(rows):
-                out[b, :len(r)] = self._verify(kv, b, [r])[0]
+            with _all_or_none(kv, 0, n):
+                for b, r in enumerate(rows):
+                    out[b, :len(r)] = self._verify(kv, b, [r])[0]
             return out
         return self._verify(kv, 0, rows)
 

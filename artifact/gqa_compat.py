@@ -58,7 +58,9 @@ def without_query_seqlens(model: onnx.ModelProto) -> int:
 def session(path: Path, options: ort.SessionOptions, providers: list
             ) -> ort.InferenceSession:
     """A session of the graph at ``path`` without ``query_seqlens``: the graph rewritten in
-    memory, its external weights read from the graph's directory."""
+    memory, its external weights read from the graph's directory (an entry added to
+    ``options``, which onnxruntime reads only for sessions made from memory; the Python API
+    cannot copy a SessionOptions)."""
     model = onnx.load(str(path), load_external_data=False)
     without_query_seqlens(model)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path",

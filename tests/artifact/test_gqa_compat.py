@@ -9,6 +9,7 @@ import hashlib
 
 import numpy as np
 import onnx
+import pytest
 
 from kvserve.artifact import gqa_compat
 from kvserve.artifact.fused import FusedLM
@@ -80,3 +81,30 @@ def test_a_ragged_verification_equals_the_normal_runners(artifacts):
     assert list(got[0][1]) == list(got[1][1]) == [14, 5, 18]
     for x, y in zip(got[0][0], got[1][0]):
         assert np.abs(x - y).max() <= 1e-4
+
+
+def test_a_failed_row_leaves_the_slots_as_they_were(artifacts, monkeypatch):
+    """Calls made a row at a time are all or none: a failure on the second row puts back the
+    first one's row count, as one call's failure leaves them; an empty prompt is refused
+    before anything runs."""
+    lm = FusedLM(artifacts["fused"], provider="cpu", threads=1, attention=False,
+                 padding_counted=True)
+    kv = lm.new_cache(2)
+    lm.prefill(kv, 0, [[1, 2, 3], [4, 5]], last=True)
+    for name in ("_run", "_verify"):
+        real = getattr(lm, name)
+
+        def second_fails(kv_, lo, *a, real=real, **kw):
+            if lo == 1:
+                raise RuntimeError("injected")
+            return real(kv_, lo, *a, **kw)
+        monkeypatch.setattr(lm, name, second_fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        lm.prefill(kv, 0, [[6, 7], [8, 9, 10]], last=True)
+    assert list(kv.used[:2]) == [3, 2]
+    with pytest.raises(RuntimeError, match="injected"):
+        lm.verify(kv, 2, [[6, 7], [8, 9]])
+    assert list(kv.used[:2]) == [3, 2]
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        lm.prefill(kv, 0, [[6], []], last=True)
+    assert list(kv.used[:2]) == [3, 2]
