@@ -12,8 +12,9 @@ the long prompt's time to first token. The two ways alternate in one process, in
 order (the scheduler's ``interleave`` switched); ratios are medians of the rounds'. The
 in-process engine with the server's defaults (prefix cache and speculation on), fp32,
 ``bench/build.py``'s models; the prefill chunk is the server's default
-(``--prefill-chunk-tokens``: 512 tokens on 100M; on 6M the logits cap's 1,953 tokens, a call
-then takes the whole prompt: there is nothing to interleave).
+(``--prefill-chunk-tokens 0``: 488-512 tokens on 100M; on 6M the logits cap's 1,953 tokens,
+a call then takes the whole prompt: there is nothing to interleave) and, in an engine of its
+own measured in the same rounds, each of ``ASKED`` (``--prefill-chunk-tokens N``).
 
 Results: ``long-prompt.json`` and ``.md`` (``--update-committed``: ``bench/results/``;
 docs/speed.md quotes them).
@@ -31,6 +32,7 @@ from kvserve.bench.common import fp32_sizes_main, server_speedups
 PROMPT_TOKENS = 1500
 STREAMS = 2
 WAYS = ("a chunk an iteration", "at once")
+ASKED = (128,)  # smaller chunks asked for: shorter pauses, more calls
 
 
 def _round(runner, long_prompt: list[int], streams: list[list[int]]) -> dict:
@@ -78,23 +80,36 @@ def _round(runner, long_prompt: list[int], streams: list[list[int]]) -> dict:
 
 
 def measure(artifact, rounds: int, threads: int) -> dict:
+    """Per setting (``default``, then each of ``ASKED``): both ways' medians and ratios;
+    settings and ways alternate round by round."""
     from kvserve.bench.runner_kvserve import EngineRunner
 
-    runner = EngineRunner(str(artifact), threads, max_batch=STREAMS + 1, **server_speedups())
-    sched, V = runner.engine.sched, runner.cfg.vocab_size
+    settings = {"default": 0, **{str(n): n for n in ASKED}}
+    runners = {name: EngineRunner(str(artifact), threads, max_batch=STREAMS + 1,
+                                  prefill_chunk_tokens=n, **server_speedups())
+               for name, n in settings.items()}
     g = np.random.default_rng(0)
-    figures = {w: [] for w in WAYS}
+    figures = {name: {w: [] for w in WAYS} for name in settings}
+    chunks = {}
     try:
         for r in range(rounds):
-            for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
-                sched.interleave = way == WAYS[0]
-                streams = [g.integers(2, V, 32).tolist() for _ in range(STREAMS)]
-                figures[way].append(_round(runner, g.integers(2, V, PROMPT_TOKENS).tolist(),
-                                           streams))
-                time.sleep(0.1)
-        chunk = sched.prefill_tokens()
+            for name in (list(settings) if r % 2 == 0 else list(settings)[::-1]):
+                runner = runners[name]
+                V = runner.cfg.vocab_size
+                for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
+                    runner.engine.sched.interleave = way == WAYS[0]
+                    streams = [g.integers(2, V, 32).tolist() for _ in range(STREAMS)]
+                    figures[name][way].append(_round(
+                        runner, g.integers(2, V, PROMPT_TOKENS).tolist(), streams))
+                    time.sleep(0.1)
+        chunks = {name: runner.engine.sched.prefill_tokens() for name, runner in runners.items()}
     finally:
-        runner.engine.stop()
+        for runner in runners.values():
+            runner.engine.stop()
+    return {"settings": {name: _summary(figures[name], chunks[name]) for name in settings}}
+
+
+def _summary(figures: dict, chunk: int) -> dict:
     out = {"chunk_tokens": chunk, "ways": {}}
     for w, rs in figures.items():
         out["ways"][w] = {k: float(np.median([x[k] for x in rs])) for k in rs[0]}
@@ -113,15 +128,20 @@ def render(data: dict) -> str:
            f"tokens while it is prefilled (the engine's clock), the tokens they made meanwhile, "
            f"its time to first token (medians of {data['rounds']} alternating rounds; "
            f"{data['cpu']}, {data['threads']} threads, onnxruntime {data['onnxruntime']}, "
-           f"{data['date']}; fp32, the server's defaults).", "",
-           "| size | prefill chunk | way | streams' longest gap | their tokens meanwhile | "
-           "long prompt's TTFT |", "|---|---|---|---|---|---|"]
-    for size, res in data["sizes"].items():
-        for w in WAYS:
-            c = res["ways"][w]
-            out.append(f"| {size} | {res['chunk_tokens']} | {w} | {c['longest_gap_ms']:,.1f} ms "
-                       f"| {c['stream_tokens']:.0f} | {c['ttft_ms']:,.1f} ms |")
-        out.append(f"| {size} | | ratio | {res['gap_ratio']:.2f}× | | {res['ttft_ratio']:.2f}× |")
+           f"{data['date']}; fp32, the server's defaults, and `--prefill-chunk-tokens N` in an "
+           f"engine of its own).", "",
+           "| size | `--prefill-chunk-tokens` | chunk | way | streams' longest gap | their tokens "
+           "meanwhile | long prompt's TTFT |", "|---|---|---|---|---|---|---|"]
+    for size, by in data["sizes"].items():
+        for name, res in by["settings"].items():
+            asked = "0 (default)" if name == "default" else name
+            for w in WAYS:
+                c = res["ways"][w]
+                out.append(f"| {size} | {asked} | {res['chunk_tokens']} | {w} | "
+                           f"{c['longest_gap_ms']:,.1f} ms | {c['stream_tokens']:.0f} | "
+                           f"{c['ttft_ms']:,.1f} ms |")
+            out.append(f"| {size} | {asked} | | ratio | {res['gap_ratio']:.2f}× | | "
+                       f"{res['ttft_ratio']:.2f}× |")
     return "\n".join(out) + "\n"
 
 

@@ -112,7 +112,8 @@ class EngineRunner(Runner):
 
     def __init__(self, artifact: str, threads: int, max_batch: int = 16,
                  prefix_cache_mb: int = 0, speculative_tokens: int = 0,
-                 inexact_speedups: bool = False, provider: str = "cpu"):
+                 inexact_speedups: bool = False, provider: str = "cpu",
+                 prefill_chunk_tokens: int | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         from kvserve.artifact.loader import load_lm
@@ -129,7 +130,8 @@ class EngineRunner(Runner):
                              score_chunk_floats=c.score_chunk_floats,
                              stream_interval=c.stream_interval_ms / 1000,
                              stream_interval_max=c.stream_interval_max_ms / 1000,
-                             prefill_chunk_tokens=c.prefill_chunk_tokens,
+                             prefill_chunk_tokens=c.prefill_chunk_tokens
+                             if prefill_chunk_tokens is None else prefill_chunk_tokens,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics(),
                              prefix_cache_bytes=prefix_cache_mb << 20,
                              speculative_tokens=speculative_tokens,

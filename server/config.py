@@ -43,7 +43,7 @@ _BOUNDS = (
     ("max_score_sequences", 1, 100_000),
     ("max_score_tokens", 1, 100_000_000),
     ("score_chunk_floats", 1, 1_000_000_000),
-    ("prefill_chunk_tokens", 1, 65_536),
+    ("prefill_chunk_tokens", 0, 65_536),
     ("max_repetition_penalty", 1, 1e6),
     ("max_abs_penalty", 0, 1e6),
     ("request_time_limit", 0, 7 * 86_400),
@@ -132,11 +132,13 @@ class ServerConfig:
                                               "it; a fused prefill chunk's attention scores "
                                               "(chunk x heads x cache rows) do",
                                    limit="not an error: longer inputs are prefilled in chunks")
-    prefill_chunk_tokens: int = _opt(512, "prompt tokens per prefill call, where the artifact "
-                                          "computes logits for the last position only "
-                                          "(fused), as far as score_chunk_floats allows the "
-                                          "attention scores; it never makes chunks smaller "
-                                          "than the logits cap's",
+    prefill_chunk_tokens: int = _opt(0, "prompt tokens per prefill call, where the artifact "
+                                        "computes logits for the last position only (fused), "
+                                        "as far as score_chunk_floats allows the attention "
+                                        "scores (never fewer than asked): also the chunk a "
+                                        "long prompt is fed per iteration while others "
+                                        "stream, smaller for shorter pauses; 0: up to 512, "
+                                        "never fewer than the logits cap's",
                                      limit="not an error: longer prompts are prefilled in "
                                            "chunks")
     prefix_cache_mb: int = _opt(256, "memory (MiB) of the prefix cache: KV rows of earlier "

@@ -24,10 +24,10 @@ No request waits for another to finish: a new request joins at the next iteratio
 
 A long prompt is prefilled in chunks (``extend`` after the first). Their size: as many tokens
 as keep a chunk's logits (T x vocab) under ``score_chunk_floats`` where the runner returns every
-row's logits (portable artifacts), and at least ``prefill_chunk_tokens`` where it returns the
-last row's only (fused). With attention diagnostics asked for, the rest of the prompt after
-the first (logits-sized) chunk goes through the shared decode steps instead, which carry the
-attention rows.
+row's logits (portable artifacts), and ``prefill_chunk_tokens`` where it returns the last
+row's only (fused; ``Scheduler.prefill_tokens``). With attention diagnostics asked for, the
+rest of the prompt after the first (logits-sized) chunk goes through the shared decode steps
+instead, which carry the attention rows.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class Engine:
             lm.new_cache(max_batch), max_batch=max_batch, max_queue=max_queue,
             max_seq_len=self.cfg.max_seq_len, n_heads=self.cfg.n_heads,
             vocab_size=self.cfg.vocab_size, score_chunk_floats=score_chunk_floats,
-            prefill_chunk_tokens=prefill_chunk_tokens if lm.last_rows else 0,
+            prefill_chunk_tokens=prefill_chunk_tokens if lm.last_rows else None,
             output=self.output)
         self.chunk_tokens = self.sched.chunk_tokens
         self.longrope = LongRopeSwitch.of(self.cfg)  # None unless a LongRoPE model (Phi-3)
@@ -284,9 +284,7 @@ class Engine:
         log.info("engine started: max_batch=%d max_queue=%d; a model call feeds up to %d "
                  "prompt tokens, %d where every row's logits or attention come back (Score, "
                  "diagnostics: --score-chunk-floats over the vocabulary)", self.max_batch,
-                 self.max_queue, self.sched.prefill_tokens() if self.sched.fixed_chunks
-                 else max(self.chunk_tokens, self.sched.prefill_chunk_tokens),
-                 self.chunk_tokens)
+                 self.max_queue, self.sched.prefill_tokens(), self.chunk_tokens)
         sched = self.sched
         settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise
         while True:

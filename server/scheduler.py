@@ -48,10 +48,15 @@ class Prefilling:
     step: int
 
 
+# ``--prefill-chunk-tokens 0`` (the default): prefill calls of up to this many tokens, never
+# fewer than the logits cap's chunk
+AUTO_PREFILL_TOKENS = 512
+
+
 class Scheduler:
     def __init__(self, kv: KVCache, *, max_batch: int, max_queue: int, max_seq_len: int,
                  n_heads: int, vocab_size: int, score_chunk_floats: int,
-                 prefill_chunk_tokens: int, output: OutputProcessor):
+                 prefill_chunk_tokens: int | None, output: OutputProcessor):
         self.kv = kv
         self.max_batch, self.max_queue, self.max_seq_len = max_batch, max_queue, max_seq_len
         self.output = output
@@ -59,8 +64,9 @@ class Scheduler:
         # tokens per chunk where every row's logits come back: (chunk x vocab) under the cap
         self.chunk_tokens = max(1, score_chunk_floats // vocab_size)
         self.score_chunk_floats = score_chunk_floats
-        # tokens per generation prefill call where only the last row's logits come back (0:
-        # the runner returns every row's)
+        # tokens per generation prefill call where only the last row's logits come back: as
+        # asked, 0 = auto (``AUTO_PREFILL_TOKENS``); None: the runner returns every row's
+        # (``prefill_tokens``)
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # chunks sized for the model's whole context, not the cache's capacity now (which the
         # batch's other requests set): a prompt is then split alike whatever runs beside it
@@ -150,12 +156,21 @@ class Scheduler:
 
     def prefill_tokens(self) -> int:
         """Tokens per generation prefill call. ``chunk_tokens`` (the logits cap) where the
-        runner computes every row's logits; where it computes the last row's only, up to
+        runner computes every row's logits; where it computes the last row's only,
         ``prefill_chunk_tokens`` as long as the call's attention scores stay under the same
-        cap: onnxruntime's CPU GroupQueryAttention holds chunk x heads x cache-rows floats."""
+        cap (onnxruntime's CPU GroupQueryAttention holds chunk x heads x cache-rows floats),
+        but never fewer than asked or than the logits cap's, whichever is smaller: a chunk
+        below the logits cap's is asked for (shorter pauses for the streams running beside a
+        long prompt, more calls for it). 0: up to ``AUTO_PREFILL_TOKENS``, never fewer than
+        the logits cap's."""
+        asked = self.prefill_chunk_tokens
+        if asked is None:
+            return self.chunk_tokens
         rows = self.max_seq_len if self.fixed_chunks else max(1, self.kv.capacity)
         by_scores = self.score_chunk_floats // (self.n_heads * rows)
-        return max(self.chunk_tokens, min(self.prefill_chunk_tokens, by_scores))
+        if not asked:
+            return max(self.chunk_tokens, min(AUTO_PREFILL_TOKENS, by_scores))
+        return max(min(self.chunk_tokens, asked), min(asked, by_scores))
 
     def prefill_groups(self, plain: list[Sequence], todo: Callable[[Sequence], int] | None = None
                        ) -> list[list[Sequence]]:

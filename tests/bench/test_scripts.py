@@ -494,21 +494,24 @@ def test_long_prompt_measures_both_ways(tiny_artifact, monkeypatch):
     from kvserve.server.scheduler import Scheduler
 
     monkeypatch.setattr(L, "PROMPT_TOKENS", 150)
-    monkeypatch.setattr(Scheduler, "prefill_tokens", lambda self: 32)
+    monkeypatch.setattr(L, "ASKED", (16,))
+    monkeypatch.setattr(Scheduler, "prefill_tokens",
+                        lambda self: self.prefill_chunk_tokens or 32)
     for name in ("decode", "verify"):  # (steps of a few ms: the streams outlast the prompt)
         step = getattr(FusedLM, name)
         monkeypatch.setattr(FusedLM, name, lambda *a, _step=step, **k: time.sleep(0.003) or
                             _step(*a, **k))
     res = L.measure(tiny_artifact, rounds=2, threads=1)
-    assert res["chunk_tokens"] == 32
-    for w in L.WAYS:
-        rounds = res["ways"][w]["rounds"]
-        assert len(rounds) == 2 and all(r["ttft_ms"] > 0 and r["longest_gap_ms"] > 0
-                                        for r in rounds)
-    assert res["ways"][L.WAYS[0]]["stream_tokens"] >= 4  # (a step between each two chunks)
+    assert [s["chunk_tokens"] for s in res["settings"].values()] == [32, 16]
+    for s in res["settings"].values():
+        for w in L.WAYS:
+            rounds = s["ways"][w]["rounds"]
+            assert len(rounds) == 2 and all(r["ttft_ms"] > 0 and r["longest_gap_ms"] > 0
+                                            for r in rounds)
+        assert s["ways"][L.WAYS[0]]["stream_tokens"] >= 4  # (a step between two chunks)
     md = L.render({"rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y", "date": "z",
                    "sizes": {"tiny": res}})
-    assert md.count("| tiny |") == 3
+    assert md.count("| tiny |") == 6
 
 
 def test_results_options_choose_where_results_go(tmp_path):

@@ -250,7 +250,7 @@ def test_server_config_flags_env_and_bounds():
     assert ServerConfig.from_args(p.parse_args([]), environ={}).port == 50051
     with pytest.raises(ValueError, match="max_batch"):
         ServerConfig.from_args(p.parse_args(["--max-batch", "0"]), environ={})
-    for bad in ("0", "65537"):
+    for bad in ("-1", "65537"):
         with pytest.raises(ValueError, match="prefill_chunk_tokens"):
             ServerConfig.from_args(p.parse_args(["--prefill-chunk-tokens", bad]), environ={})
     # every numeric setting has a ceiling as well as a floor

@@ -14,7 +14,7 @@ from kvserve.server.sequence import Handle, Sequence
 
 def _sched(chunk: int = 512) -> Scheduler:
     return Scheduler(FakeCache(8, 128), max_batch=8, max_queue=8, max_seq_len=4096, n_heads=1,
-                     vocab_size=1, score_chunk_floats=chunk, prefill_chunk_tokens=0,
+                     vocab_size=1, score_chunk_floats=chunk, prefill_chunk_tokens=None,
                      output=OutputProcessor(frozenset(), None, 0.0))
 
 
