@@ -116,6 +116,31 @@ def test_prefill_chunks_where_only_last_rows_are_computed(make_engine):
     assert lm.calls["extend"] == 3
 
 
+def test_prefill_chunks_as_asked_below_the_logits_cap(make_engine):
+    """``--prefill-chunk-tokens N`` below the logits cap's chunk is taken as asked (a long
+    prompt's chunks, and so the other streams' pause, that small); 0 keeps the rule of up to
+    ``AUTO_PREFILL_TOKENS``, never fewer than the cap's; a runner that returns every row's
+    logits keeps the cap's chunk whatever is asked."""
+    from kvserve.server.scheduler import AUTO_PREFILL_TOKENS
+
+    big, cap = 2048, 64
+    prompt = list(range(1, 30))
+    lm = FakeLM(big)
+    lm.last_rows = True
+    engine, _ = make_engine(lm, score_chunk_floats=big * cap, prefill_chunk_tokens=8)
+    assert engine.chunk_tokens == cap and engine.prefill_tokens() == 8
+    toks, _ = _collect(engine.submit(_req(prompt, 3)))
+    assert toks == lm.reference(prompt, 3)
+    assert lm.calls["extend"] == 3  # 29 tokens: 8, then 8, 8 and 5
+    lm = FakeLM(big)
+    lm.last_rows = True
+    engine, _ = make_engine(lm, score_chunk_floats=big * cap, prefill_chunk_tokens=0)
+    by_scores = big * cap // (2 * engine.kv.capacity)  # (2 heads)
+    assert engine.prefill_tokens() == max(cap, min(AUTO_PREFILL_TOKENS, by_scores))
+    engine, _ = make_engine(FakeLM(big), score_chunk_floats=big * cap, prefill_chunk_tokens=8)
+    assert engine.prefill_tokens() == cap  # all rows
+
+
 def test_queue_full_and_cancellation(make_engine):
     engine, lm = make_engine(FakeLM(V, step_delay=0.002), max_batch=1, max_queue=1)
     first = engine.submit(_req([1], 1000))
