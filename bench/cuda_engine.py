@@ -148,12 +148,12 @@ def compare(on: dict, off: dict) -> dict:
             "tokens": sum(len(v[0]) for v in off.values())}
 
 
-def exactness(art: Path, provider: str, threads: int, features: bool = True) -> dict:
-    """``features``: the artifact is one the engine runs its speed features on by default
-    (fp32, paired quantized): the workload must have read cached rows and accepted drafts.
-    (fp16 and unpaired quantized artifacts keep them off unless ``--inexact-speedups``, their
-    rows rounding with the call's shape: the check then shows the engine runs the workload
-    there, the same either way.)"""
+def exactness(art: Path, provider: str, threads: int) -> dict:
+    """The workload with the server's defaults and with the speed features off: the same
+    tokens, logprobs within ``LOGPROB_TOL``; and each feature the engine turned on (fp32 and
+    paired quantized artifacts: the prefix cache and speculation; fp16 and unpaired quantized
+    ones keep them off unless ``--inexact-speedups``, their rows rounding with the call's
+    shape) must have worked: cached rows read, drafts accepted."""
     from kvserve.artifact.loader import load_lm
 
     cfg = load_lm(art, provider="cpu", threads=1, attention=False).cfg
@@ -165,13 +165,16 @@ def exactness(art: Path, provider: str, threads: int, features: bool = True) -> 
             res[on] = run_workload(e, waves)
             if on:
                 counts = counters(e)
+                enabled = {"prefix_cache": e.prefix is not None,
+                           "speculation": e.spec is not None}
         finally:
             e.stop()
     out = compare(res[True], res[False])
-    out["features_on"] = counts
+    out["features_on"], out["enabled"] = counts, enabled
     out["ok"] = out["tokens_equal"] and out["max_abs_logprob"] <= LOGPROB_TOL \
         and not out["errors"] \
-        and (not features or (counts["cached_prompt_tokens"] > 0 and counts["accepted"] > 0))
+        and (counts["cached_prompt_tokens"] > 0 or not enabled["prefix_cache"]) \
+        and (counts["accepted"] > 0 or not enabled["speculation"])
     return out
 
 

@@ -20,9 +20,10 @@ def _precision_row(name: str, p: dict) -> str:
         return f"| {name} | does not run: {p['error'].split(': ', 1)[-1]} | | | | | |"
     tf, g, e = p["teacher_forced"], p["greedy"], p["engine_exactness"]
     on = e["features_on"]
+    enabled = e.get("enabled", {"any": any(on.values())})  # (results before "enabled")
     features = (f"cached {on['cached_prompt_tokens']} prompt tokens, accepted "
-                f"{on['accepted']}/{on['drafted']} drafts") if any(on.values()) \
-        else "prefix cache and speculation off (default for this precision)"
+                f"{on['accepted']}/{on['drafted']} drafts") if any(enabled.values()) \
+        else "prefix cache and speculation off (the default for this artifact)"
     exact = "yes" if e["tokens_equal"] and not e["errors"] else \
         f"no: {len(e['differing'])} of {e['requests']} requests differ"
     steps = sorted((int(k), v) for k, v in p["step_ms_bs16"].items())
@@ -39,8 +40,8 @@ def _size(s: dict) -> list[str]:
     out += ["| precision | max \\|Δlogit\\| vs CPU (teacher-forced, 16 × 128) | greedy "
             "agreement with CPU | engine: features on = off (14 requests) | batch-1 tok/s | "
             "batch-16 step ms at positions 16 / 1000 | ratio |", "|---|---|---|---|---|---|---|"]
-    out += [_precision_row(name, s[name]) for name in ("fp32", "fp16", "int8", "int4")
-            if name in s]
+    out += [_precision_row(name, s[name]) for name in ("fp32", "fp16", "int8", "int4",
+                                                       "portable") if name in s]
     out.append("")
     ppl, srv, vt, sp = (s.get(k, {}) for k in ("fp16_perplexity", "server", "vs_transformers",
                                               "engine_speed"))
