@@ -375,7 +375,8 @@ def test_score_shared_measures_both_ways(tiny_artifact, monkeypatch):
                                           ("burst_admission", "burst-admission"),
                                           ("shape_rounding", "shape-rounding"),
                                           ("attention_cost", "attention-cost"),
-                                          ("long_prompt", "long-prompt")])
+                                          ("long_prompt", "long-prompt"),
+                                          ("cuda_report", "cuda")])
 def test_committed_tables_are_their_json_rendered(script, name):
     """A bench script's committed .md is its rendering of the committed .json."""
     import importlib
