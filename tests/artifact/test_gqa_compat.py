@@ -108,3 +108,23 @@ def test_a_failed_row_leaves_the_slots_as_they_were(artifacts, monkeypatch):
     with pytest.raises(ValueError, match="non-empty prompt"):
         lm.prefill(kv, 0, [[6], []], last=True)
     assert list(kv.used[:2]) == [3, 2]
+
+
+def test_a_cache_the_device_cannot_attend_over_is_refused_saying_why(artifacts, monkeypatch):
+    """Where onnxruntime reads the KV inputs somewhere other than the provider's device (a
+    float32 cache on onnxruntime-gpu 1.31.1: no CUDA GroupQueryAttention for it), the runner
+    refuses at load, naming the way out, and ``kvserve serve``'s loader reports it as an
+    artifact it cannot load (one line, exit 1)."""
+    import kvserve.artifact.fused as F
+    from kvserve.server.app import App, ArtifactError
+    from kvserve.server.config import ServerConfig
+
+    monkeypatch.setattr(F, "device_of", lambda providers: "cuda")
+    monkeypatch.setattr(F, "input_homes", lambda sess, device: {
+        i.name: "cpu" for i in sess.get_inputs()})
+    with pytest.raises(RuntimeError, match="no cuda GroupQueryAttention kernel for its "
+                                           "float32 cache.*fp16 on CUDA"):
+        FusedLM(artifacts["fused"], provider="cpu", threads=1, attention=False)
+    app = App(str(artifacts["fused"]), ServerConfig(provider="cpu", threads=1))
+    with pytest.raises(ArtifactError, match="cannot load .*GroupQueryAttention kernel"):
+        app.load()
