@@ -47,16 +47,14 @@ def engine(art: Path, provider: str, threads: int, on: bool, max_batch: int = 8,
     lm = load_lm(art, provider=provider, threads=threads, attention=False, **runner)
     c = ServerConfig()
     tb = TokenBytes(HFTokenizer.from_file(str(Path(art) / "tokenizer.json")), lm.cfg.vocab_size)
-    engine = Engine(lm, tb, max_batch=max_batch, max_queue=256,
-                    score_chunk_floats=chunk * lm.cfg.vocab_size if chunk
-                    else c.score_chunk_floats,
-                    prefill_chunk_tokens=chunk or c.prefill_chunk_tokens,
-                    eos_id=lm.cfg.eos_token_id, metrics=RecordingMetrics(),
-                    prefix_cache_bytes=(c.prefix_cache_mb << 20) if on else 0,
-                    speculative_tokens=c.speculative_tokens if on else 0,
-                    interleave_prefill=on)
-    engine.start()
-    return engine
+    e = Engine(lm, tb, max_batch=max_batch, max_queue=256,
+               score_chunk_floats=chunk * lm.cfg.vocab_size if chunk else c.score_chunk_floats,
+               prefill_chunk_tokens=chunk or c.prefill_chunk_tokens,
+               eos_id=lm.cfg.eos_token_id, metrics=RecordingMetrics(),
+               prefix_cache_bytes=(c.prefix_cache_mb << 20) if on else 0,
+               speculative_tokens=c.speculative_tokens if on else 0, interleave_prefill=on)
+    e.start()
+    return e
 
 
 def _request(prompt, n: int, temperature: float = 0.0, seed: int | None = None):
