@@ -5,17 +5,18 @@ at the time of writing).
 The fused graph feeds each call's right-padded rows with their valid lengths
 (``query_seqlens``, the op's 17th input). Without that input the op takes every row as
 ``sequence_length`` long: row b's new tokens at cache rows [T - S, T), T = seqlens_k + 1. A
-runner can keep the same result by counting the padding as tokens (``PADDING_COUNTED``): it
-feeds seqlens_k = rows before the call + S - 1 (and query_seqlens = S, which the graph still
-reads for learned positions), so row b's valid tokens sit at [P, P + Q) with their true
+runner can keep the same result by counting the padding as tokens (``FusedLM``'s
+``padding_counted``): it feeds seqlens_k = rows before the call + S - 1 (and query_seqlens =
+S, which the graph still reads for learned positions), so row b's valid tokens sit at [P, P +
+Q) with their true
 positions, and its padding after them, beyond the slot's rows in use: never read (the causal
 mask keeps a valid row from seeing the padding after it) and overwritten by the slot's next
 call, as the padding of a verification already was. The slot's row count then advances by the
 valid tokens alone. A decode step (one token a row) is the same call either way.
 
-``session_bytes`` is the artifact's graph with that input taken off every GroupQueryAttention
+``session`` loads the artifact's graph with that input taken off every GroupQueryAttention
 node (the graph file itself and its manifest hash are untouched: the file is verified, then
-rewritten in memory), loaded with its weights from the artifact's directory.
+rewritten in memory), its weights read from the artifact's directory.
 """
 from __future__ import annotations
 

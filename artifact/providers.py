@@ -63,9 +63,9 @@ def input_homes(sess: ort.InferenceSession, device: str) -> dict[str, str] | Non
     """Where ``sess`` reads each input: ``cpu`` or ``device`` (onnxruntime's memory info of
     the inputs, which a CUDA kernel may ask for in host memory); None where this onnxruntime
     cannot say (before the memory-info API)."""
-    get = getattr(sess, "get_input_memory_infos", None)
     if device == "cpu":
         return {i.name: "cpu" for i in sess.get_inputs()}
+    get = getattr(sess, "get_input_memory_infos", None)
     if get is None:
         return None
     try:

@@ -33,28 +33,19 @@ CHUNK_TOKENS = 256  # the exactness engines' prefill chunk (and logits cap): a l
 
 def engine(art: Path, provider: str, threads: int, on: bool, max_batch: int = 8,
            chunk: int = 0, **runner):
-    """An in-process engine: the server's defaults (``on``) or the speed features off. ``chunk``
-    (tokens): the prefill chunk and the logits cap (0: the server's defaults); ``runner``:
-    the runner's keywords (``load_lm``'s)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from kvserve.artifact.loader import load_lm
-    from kvserve.bench.runner_kvserve import RecordingMetrics
+    """An in-process engine (``EngineRunner``'s, started): the server's defaults (``on``) or
+    the speed features off, callers woken for every token. ``chunk`` (tokens): the prefill
+    chunk and the logits cap (0: the server's defaults); ``runner``: ``load_lm``'s keywords."""
+    from kvserve.bench.runner_kvserve import EngineRunner
     from kvserve.server.config import ServerConfig
-    from kvserve.server.detok import TokenBytes
-    from kvserve.server.engine import Engine
 
-    lm = load_lm(art, provider=provider, threads=threads, attention=False, **runner)
     c = ServerConfig()
-    tb = TokenBytes(HFTokenizer.from_file(str(Path(art) / "tokenizer.json")), lm.cfg.vocab_size)
-    e = Engine(lm, tb, max_batch=max_batch, max_queue=256,
-               score_chunk_floats=chunk * lm.cfg.vocab_size if chunk else c.score_chunk_floats,
-               prefill_chunk_tokens=chunk or c.prefill_chunk_tokens,
-               eos_id=lm.cfg.eos_token_id, metrics=RecordingMetrics(),
-               prefix_cache_bytes=(c.prefix_cache_mb << 20) if on else 0,
-               speculative_tokens=c.speculative_tokens if on else 0, interleave_prefill=on)
-    e.start()
-    return e
+    return EngineRunner(str(art), threads, max_batch=max_batch,
+                        prefix_cache_mb=c.prefix_cache_mb if on else 0,
+                        speculative_tokens=c.speculative_tokens if on else 0,
+                        provider=provider, prefill_chunk_tokens=chunk or None,
+                        logits_cap_tokens=chunk, stream_interval_ms=0,
+                        interleave_prefill=on, **runner).engine
 
 
 def _request(prompt, n: int, temperature: float = 0.0, seed: int | None = None):
@@ -207,11 +198,9 @@ def counters(e) -> dict:
 
 
 def _tok_s(runner, prompts: np.ndarray, n: int, repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        runner.generate(prompts, n)
-        best = min(best, time.perf_counter() - t0)
+    from kvserve.bench.runners import best_of
+
+    best, _ = best_of(lambda: runner.generate(prompts, n), repeats, min_total=0.0)
     return len(prompts) * n / best
 
 

@@ -105,7 +105,9 @@ class EngineRunner(Runner):
     ``speculative_tokens`` as ``kvserve serve``'s flags (0: off, the Engine's own default;
     ``engine_on`` in the plan runs the server's defaults); ``inexact_speedups`` as
     ``--inexact-speedups`` (unpaired int8 / int4 artifacts: the prefix cache and speculation
-    on there too)."""
+    on there too). The rest as the server's defaults unless given: ``prefill_chunk_tokens``,
+    ``logits_cap_tokens`` (``--score-chunk-floats`` as that many tokens' logits),
+    ``stream_interval_ms``, ``interleave_prefill``; ``runner``: ``load_lm``'s keywords."""
     name = "engine"
     has_score = True
     has_stream = True
@@ -113,7 +115,9 @@ class EngineRunner(Runner):
     def __init__(self, artifact: str, threads: int, max_batch: int = 16,
                  prefix_cache_mb: int = 0, speculative_tokens: int = 0,
                  inexact_speedups: bool = False, provider: str = "cpu",
-                 prefill_chunk_tokens: int | None = None):
+                 prefill_chunk_tokens: int | None = None, logits_cap_tokens: int = 0,
+                 stream_interval_ms: float | None = None, interleave_prefill: bool = True,
+                 **runner):
         from tokenizers import Tokenizer as HFTokenizer
 
         from kvserve.artifact.loader import load_lm
@@ -121,21 +125,25 @@ class EngineRunner(Runner):
         from kvserve.server.detok import TokenBytes
         from kvserve.server.engine import Engine
 
-        self.lm = load_lm(artifact, provider=provider, threads=threads, attention=False)
+        self.lm = load_lm(artifact, provider=provider, threads=threads, attention=False,
+                          **runner)
         self.cfg = self.lm.cfg
         tb = TokenBytes(HFTokenizer.from_file(str(Path(artifact) / "tokenizer.json")),
                         self.cfg.vocab_size)
         c = ServerConfig()  # the server's defaults
         self.engine = Engine(self.lm, tb, max_batch=max_batch, max_queue=256,
-                             score_chunk_floats=c.score_chunk_floats,
-                             stream_interval=c.stream_interval_ms / 1000,
+                             score_chunk_floats=logits_cap_tokens * self.cfg.vocab_size
+                             if logits_cap_tokens else c.score_chunk_floats,
+                             stream_interval=(c.stream_interval_ms if stream_interval_ms is None
+                                              else stream_interval_ms) / 1000,
                              stream_interval_max=c.stream_interval_max_ms / 1000,
                              prefill_chunk_tokens=c.prefill_chunk_tokens
                              if prefill_chunk_tokens is None else prefill_chunk_tokens,
                              eos_id=self.cfg.eos_token_id, metrics=RecordingMetrics(),
                              prefix_cache_bytes=prefix_cache_mb << 20,
                              speculative_tokens=speculative_tokens,
-                             inexact_speedups=inexact_speedups)
+                             inexact_speedups=inexact_speedups,
+                             interleave_prefill=interleave_prefill)
         self.metrics = self.engine.metrics
         self.engine.start()
 
