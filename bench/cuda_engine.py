@@ -170,25 +170,42 @@ def exactness(art: Path, provider: str, threads: int) -> dict:
 def repeatability(art: Path, provider: str, threads: int) -> dict:
     """Whether the workload's tokens repeat from run to run on this provider: engines with
     the same settings (features off, a fresh one and the first one again; the server's
-    defaults twice), each pair compared. (On an H200, fp16: one request of 14 came out differently
-    from run to run, the features off; bench/results/cuda-repeat.json.)"""
+    defaults twice), each pair compared; and ``runner_replays``: the first run's model calls
+    replayed without the engine (``bench.call_replay``) twice on one session and once on a
+    fresh one, each call's logits against the engine's and each other's: where replays part,
+    the runtime's kernels vary from run to run, not the engine. (On an H200, fp16: they do;
+    bench/results/cuda-repeat.json.)"""
     from kvserve.artifact.loader import load_lm
+
+    from .call_replay import Recording, differing, replay
 
     cfg = load_lm(art, provider="cpu", threads=1, attention=False).cfg
     waves = workload(cfg.vocab_size, cfg.max_seq_len)
     runs: dict = {}
+    recorded = None
     for name, on in (("off_a", False), ("on", True), ("off_b", False), ("on_b", True)):
         e = engine(art, provider, threads, on, chunk=CHUNK_TOKENS)
         try:
+            rec = Recording(e) if name == "off_a" else None
             runs[name] = run_workload(e, waves)
-            if name == "off_a":
+            if rec is not None:
+                rec.stop()
                 runs["off_a_again"] = run_workload(e, waves)
+                recorded = rec
         finally:
             e.stop()
     pairs = (("off_a", "off_a_again"), ("off_a", "off_b"), ("off_b", "on"), ("on", "on_b"),
              ("off_a", "on"))
-    return {f"{a}~{b}": {k: v for k, v in compare(runs[a], runs[b]).items()
-                         if k in ("tokens_equal", "differing", "errors")} for a, b in pairs}
+    out: dict = {f"{a}~{b}": {k: v for k, v in compare(runs[a], runs[b]).items()
+                              if k in ("tokens_equal", "differing", "errors")}
+                 for a, b in pairs}
+    lm = load_lm(art, provider=provider, threads=threads, attention=False)
+    first, second = replay(lm, recorded), replay(lm, recorded)
+    fresh = replay(load_lm(art, provider=provider, threads=threads, attention=False), recorded)
+    out["runner_replays"] = {"engine~replay": differing(recorded.logits, first),
+                             "replay~replay": differing(first, second),
+                             "replay~fresh_session": differing(first, fresh)}
+    return out
 
 
 def counters(e) -> dict:

@@ -71,10 +71,16 @@ def _size(s: dict) -> list[str]:
                    f"{sp['plain_bs8']['ratio']:.2f}× at batch 8")
     rep = s.get("engine_repeatability", {})
     if rep and "error" not in rep:
-        pairs = {k: v for k, v in rep.items() if isinstance(v, dict)}
+        pairs = {k: v for k, v in rep.items() if isinstance(v, dict) and "tokens_equal" in v}
         parted = [k for k, v in pairs.items() if not v["tokens_equal"]]
         out.append(f"- the same workload run to run ({len(pairs)} pairs of engine runs): "
                    + ("all equal" if not parted else f"parted: {', '.join(parted)}"))
+        if "runner_replays" in rep:
+            out.append("- its model calls replayed without the engine (bench/call_replay.py), "
+                       "calls whose logits differ: " + "; ".join(
+                           f"{k.replace('~', ' against ')} {v['differing']} of {v['calls']}"
+                           + (f" (up to {v['max_abs_logit']:.2g})" if v["differing"] else "")
+                           for k, v in rep["runner_replays"].items()))
     return out + [""]
 
 

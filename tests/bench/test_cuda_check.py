@@ -92,3 +92,60 @@ def test_input_homes():
     class Old(Sess):
         get_input_memory_infos = None
     assert input_homes(Old(), "cuda") is None
+
+
+def test_model_calls_replayed_give_the_engines_logits(artifact):
+    """bench.call_replay on the CPU: the check's workload through an engine (a long prompt in
+    chunks beside two streams, slot moves and cache growth included), its model calls
+    replayed on fresh caches, one session and another: every call's logits bit for bit the
+    engine's (the engine adds nothing to its calls); the recording stops when asked."""
+    from kvserve.artifact.loader import load_lm
+    from kvserve.bench import call_replay
+    from kvserve.bench import cuda_engine as E
+
+    cfg = artifact.cfg
+    waves = E.workload(cfg.vocab_size, cfg.max_seq_len, chunk=64)
+    assert len(waves) == 4  # (the long prompt's wave too, fed in chunks of 64)
+    rng = np.random.default_rng(1)  # and the first of three leaving first: a slot move
+    waves.append({"name": "moves", "requests": [
+        E._request(rng.integers(2, cfg.vocab_size, 9 + i).tolist(), n)
+        for i, n in enumerate((3, 20, 20))]})
+    e = E.engine(artifact.dir, "cpu", 1, False, chunk=64)
+    try:
+        rec = call_replay.Recording(e)
+        E.run_workload(e, waves)
+        rec.stop()
+        calls = len(rec.logits)
+        E.run_workload(e, waves[:1])
+    finally:
+        e.stop()
+    assert len(rec.logits) == calls
+    kinds = {op["op"] for op in rec.ops}
+    assert {"prefill", "decode", "move", "_reallocate"} <= kinds, kinds
+    lm = load_lm(artifact.dir, provider="cpu", threads=1, attention=False)
+    first = call_replay.replay(lm, rec)
+    fresh = call_replay.replay(load_lm(artifact.dir, provider="cpu", threads=1,
+                                       attention=False), rec)
+    for a, b in ((rec.logits, first), (first, call_replay.replay(lm, rec)), (first, fresh)):
+        assert call_replay.differing(a, b) == {"calls": calls, "differing": 0, "first": None,
+                                               "max_abs_logit": 0.0}
+    changed = [x.copy() for x in first]
+    changed[3][0, 0] += 0.5
+    assert call_replay.differing(first, changed) == {"calls": calls, "differing": 1,
+                                                     "first": 3,
+                                                     "max_abs_logit": pytest.approx(0.5)}
+
+
+def test_report_renders_the_replays():
+    from kvserve.bench import cuda_report
+
+    size = {"size": "tiny", "engine_repeatability": {
+        "off_a~off_b": {"tokens_equal": True, "differing": [], "errors": []},
+        "runner_replays": {"engine~replay": {"calls": 9, "differing": 0, "first": None,
+                                             "max_abs_logit": 0.0},
+                           "replay~replay": {"calls": 9, "differing": 2, "first": 4,
+                                             "max_abs_logit": 0.00098}}}}
+    md = cuda_report.render({"provider": "cuda", "sizes": [size]})
+    assert "(1 pairs of engine runs): all equal" in md
+    assert ("calls whose logits differ: engine against replay 0 of 9; replay against replay "
+            "2 of 9 (up to 0.00098)") in md
