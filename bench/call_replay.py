@@ -3,9 +3,15 @@ decode, verify: their arguments, each slot's rows before the call, the logits th
 and the cache operations the engine made between them (slot moves, reallocations), in order.
 Replayed on a fresh cache of the same runner, a call sequence gives the logits it gave in the
 engine where the runtime computes a call the same way every time (on the CPU: bit for bit, a
-test); where a replay differs from the engine's run or from another replay, the runtime's
-kernels vary, not the engine (the CUDA check's ``engine_repeatability``; on an H200 with
-onnxruntime-gpu 1.31.1, fp16: bench/results/cuda-repeat.json).
+test); where a replay differs from the engine's run or from another replay, what varies lies
+below the engine's scheduling: in the runner's calls into onnxruntime (the CUDA check's
+``engine_repeatability``; on an H200 with onnxruntime-gpu 1.31.1, fp16:
+bench/results/cuda-repeat.json).
+
+What is recorded: the fused runner's calls and the cache's moves and reallocations, with each
+slot's rows (``used``, ``retained``) before each. That is the whole cache state of an engine
+with the prefix cache off; the pool's copies into a slot, and the portable runner's own
+``extend`` and attention mask, are not recorded: such engines are refused.
 """
 from __future__ import annotations
 
@@ -29,12 +35,21 @@ class Recording:
     a prefill going a row at a time) left to the replay to repeat."""
 
     def __init__(self, engine):
-        self.lm, self.kv = engine.runner.lm, engine.runner.sched.kv
+        self.sched = engine.runner.sched
+        self.lm, self.kv = engine.runner.lm, self.sched.kv
+        if engine.runner.prefix is not None:
+            raise ValueError("the engine has a prefix cache: its copies into slots are not "
+                             "recorded (make the engine with --prefix-cache-mb 0)")
+        if getattr(self.lm, "kind", None) != "fused":
+            raise ValueError(f"a {getattr(self.lm, 'kind', '?')} runner: only the fused "
+                             f"runner's cache state is recorded")
         self.capacity, self.max_batch = int(self.kv.capacity), self.kv.max_batch
         self.ops: list[dict] = []
         self.logits: list[np.ndarray] = []
         self._depth = 0
-        self._originals = [(o, name, getattr(o, name)) for o, names in
+        # (whether each was the object's own attribute: a method of its class is uncovered
+        # again on stop, not set on the object)
+        self._originals = [(o, name, vars(o).get(name)) for o, names in
                            ((self.lm, CALLS), (self.kv, CACHE_OPS)) for name in names]
         for name in CALLS:
             setattr(self.lm, name, self._call(name, getattr(self.lm, name)))
@@ -42,9 +57,16 @@ class Recording:
             setattr(self.kv, name, self._cache_op(name, getattr(self.kv, name)))
 
     def stop(self) -> "Recording":
-        """The runner and cache as they were: nothing more is recorded."""
-        for obj, name, f in self._originals:
-            setattr(obj, name, f)
+        """The runner and cache as they were: nothing more is recorded. Raises where the
+        engine replaced its cache meanwhile (a failed iteration): the recording is not whole."""
+        for obj, name, own in self._originals:
+            if own is None:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, own)
+        if self.sched.kv is not self.kv:
+            raise RuntimeError("the engine replaced its KV cache while recording (a failed "
+                               "iteration): the recording is not whole")
         return self
 
     def _state(self, kv) -> dict:
@@ -52,7 +74,7 @@ class Recording:
 
     def _call(self, name: str, f):
         def call(kv, *a, **k):
-            top = self._depth == 0
+            top = self._depth == 0 and kv is self.kv  # (not a Score job's private cache)
             if top:
                 self.ops.append({"op": name, "args": _copy(a), "kw": dict(k), **self._state(kv)})
             self._depth += 1

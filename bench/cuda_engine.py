@@ -173,7 +173,7 @@ def repeatability(art: Path, provider: str, threads: int) -> dict:
     defaults twice), each pair compared; and ``runner_replays``: the first run's model calls
     replayed without the engine (``bench.call_replay``) twice on one session and once on a
     fresh one, each call's logits against the engine's and each other's: where replays part,
-    the runtime's kernels vary from run to run, not the engine. (On an H200, fp16: they do;
+    what varies lies below the engine's scheduling. (On an H200, fp16: they do;
     bench/results/cuda-repeat.json.)"""
     from kvserve.artifact.loader import load_lm
 
@@ -185,14 +185,16 @@ def repeatability(art: Path, provider: str, threads: int) -> dict:
     recorded = None
     for name, on in (("off_a", False), ("on", True), ("off_b", False), ("on_b", True)):
         e = engine(art, provider, threads, on, chunk=CHUNK_TOKENS)
+        rec = None
         try:
             rec = Recording(e) if name == "off_a" else None
             runs[name] = run_workload(e, waves)
             if rec is not None:
-                rec.stop()
+                recorded = rec.stop()
                 runs["off_a_again"] = run_workload(e, waves)
-                recorded = rec
         finally:
+            if rec is not None:
+                rec.stop()
             e.stop()
     pairs = (("off_a", "off_a_again"), ("off_a", "off_b"), ("off_b", "on"), ("on", "on_b"),
              ("off_a", "on"))

@@ -120,6 +120,7 @@ def test_model_calls_replayed_give_the_engines_logits(artifact):
     finally:
         e.stop()
     assert len(rec.logits) == calls
+    assert not {"prefill", "decode", "verify"} & set(vars(e.runner.lm))  # (the class's again)
     kinds = {op["op"] for op in rec.ops}
     assert {"prefill", "decode", "move", "_reallocate"} <= kinds, kinds
     lm = load_lm(artifact.dir, provider="cpu", threads=1, attention=False)
@@ -149,3 +150,23 @@ def test_report_renders_the_replays():
     assert "(1 pairs of engine runs): all equal" in md
     assert ("calls whose logits differ: engine against replay 0 of 9; replay against replay "
             "2 of 9 (up to 0.00098)") in md
+
+
+def test_a_recording_refuses_what_it_cannot_replay(artifact):
+    """An engine with a prefix cache (its copies into slots are not recorded) and a runner
+    other than the fused one (the portable runner's cache has more state) are refused."""
+    from types import SimpleNamespace
+
+    from kvserve.bench import call_replay
+    from kvserve.bench import cuda_engine as E
+
+    e = E.engine(artifact.dir, "cpu", 1, True, chunk=64)
+    try:
+        with pytest.raises(ValueError, match="prefix cache"):
+            call_replay.Recording(e)
+    finally:
+        e.stop()
+    portable = SimpleNamespace(runner=SimpleNamespace(
+        sched=SimpleNamespace(kv=None), lm=SimpleNamespace(kind="portable"), prefix=None))
+    with pytest.raises(ValueError, match="a portable runner"):
+        call_replay.Recording(portable)
