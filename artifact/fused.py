@@ -224,7 +224,8 @@ class FusedLM(ArtifactRunner):
                 f"{', '.join(strays)}, not on {self.device}: it has no {self.device} "
                 f"GroupQueryAttention kernel for its {self.runtime['kv']['dtype']} cache, "
                 f"which the fused runtime keeps on the device and the op writes in place. "
-                f"Export for this provider (fp16 on CUDA), or serve it on the CPU.")
+                f"Export for this provider (on CUDA: --precision fp16, or --portable for "
+                f"fp32), or serve it on the CPU.")
         return sess
 
     def homes(self, attention: bool) -> dict[str, str] | None:

@@ -123,7 +123,8 @@ def test_a_cache_the_device_cannot_attend_over_is_refused_saying_why(artifacts, 
     monkeypatch.setattr(F, "input_homes", lambda sess, device: {
         i.name: "cpu" for i in sess.get_inputs()})
     with pytest.raises(RuntimeError, match="no cuda GroupQueryAttention kernel for its "
-                                           "float32 cache.*fp16 on CUDA"):
+                                           "float32 cache.*on CUDA: --precision fp16, or "
+                                           "--portable for fp32"):
         FusedLM(artifacts["fused"], provider="cpu", threads=1, attention=False)
     app = App(str(artifacts["fused"]), ServerConfig(provider="cpu", threads=1))
     with pytest.raises(ArtifactError, match="cannot load .*GroupQueryAttention kernel"):
