@@ -257,7 +257,8 @@ class App:
                             model_name=c.served_model_name or self.dir.resolve().name,
                             created=int((self.dir / MANIFEST).stat().st_mtime),
                             auth_token=c.auth_token, guides=self.guides,
-                            tokenizer_info=self._tokenizer_info())
+                            tokenizer_info=self._tokenizer_info(),
+                            reasoning=c.reasoning_parser == "think")
             self.http_server = HttpServer(api, c.host, c.http_port, c.max_http_body_bytes,
                                           c.tls_cert, c.tls_key)
             self.http_port = self.http_server.start()

@@ -161,6 +161,11 @@ class ServerConfig:
                                          "fast-forward anyway, and a resume's delivered "
                                          "tokens prefilled (default: off there, exact; fp32 "
                                          "artifacts have them either way)")
+    reasoning_parser: str = _opt("none", "HTTP chat: 'think' returns a reply's <think> ... "
+                                         "</think> thought as the message's "
+                                         "reasoning_content, apart from its content (Qwen3, "
+                                         "DeepSeek-R1, SmolLM3); 'none': the reply as "
+                                         "written", choices=("none", "think"))
     max_temperature: float = _opt(100.0, "upper bound of temperature",
                                   limit="INVALID_ARGUMENT (below 1e-5 is served as greedy)")
     max_repetition_penalty: float = _opt(100.0, "upper bound of repetition_penalty",

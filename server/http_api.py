@@ -33,6 +33,7 @@ from .http_tokenize import add_tokenize_routes
 from .auth import bearer_ok
 from .openai_requests import ApiError, Parsed, check_json_body, from_serving_error, \
     parse_completion, parse_json
+from .reasoning import opens_thought, split_reasoning
 from .tool_calls import added_token_ids, finish_reason
 from .validation import is_utf8
 
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 _STREAMING = web.RequestKey("kvserve_streaming", bool) if hasattr(web, "RequestKey") \
     else "kvserve_streaming"
 
+REASONING_TAIL = 8  # a chat prompt's last tokens: does it leave the model inside a thought?
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
 
@@ -89,11 +91,13 @@ def _error(e: ApiError) -> web.Response:
 class OpenAIApi:
     def __init__(self, engine, prompts, token_bytes, state, metrics, model_name: str,
                  created: int, auth_token: str = "", guides: Guides | None = None,
-                 tokenizer_info: dict | None = None):
+                 tokenizer_info: dict | None = None, reasoning: bool = False):
         """``guides``: the server's constraints (the app's ``Guides``; None: structured outputs
         and forced tool calls answer 400); ``tokenizer_info``: ``http_tokenize.tokenizer_info``
-        (with it and a tokenizer, vLLM's /tokenize, /detokenize and /tokenizer_info)."""
+        (with it and a tokenizer, vLLM's /tokenize, /detokenize and /tokenizer_info);
+        ``reasoning``: chat replies' thoughts apart (``server.reasoning``)."""
         self.engine, self.prompts, self.tb = engine, prompts, token_bytes
+        self.reasoning = reasoning
         self.guides, self.tokenizer_info = guides, tokenizer_info
         self.lp = Logprobs(token_bytes)
         self._added_tokens: dict[str, int] | None = None
@@ -199,6 +203,10 @@ class OpenAIApi:
             try:
                 if chat:
                     parsed = parse_chat(body, self.prompts, self.model, rid, self._added())
+                    if self.reasoning:
+                        tail = parsed.prompt_ids[0][-REASONING_TAIL:]
+                        parsed.reasoning_open = opens_thought(
+                            b"".join(self.tb[t] for t in tail).decode("utf-8", "replace"))
                 else:
                     parsed = parse_completion(body, self.prompts, self.model, rid)
                 if parsed.spec is not None:  # one matcher per choice
@@ -327,7 +335,11 @@ class OpenAIApi:
 
     def _chat_choice(self, i: int, parsed: Parsed, f: FinishEvent,
                      evs: list[TokenEvent]) -> dict:
-        message, calls = tool_call_message(f.text, parsed.tool_format)
+        thought, text = (None, f.text) if parsed.reasoning_open is None else \
+            split_reasoning(f.text, parsed.reasoning_open)
+        message, calls = tool_call_message(text, parsed.tool_format)
+        if thought is not None:
+            message["reasoning_content"] = thought
         return {"index": i, "message": message, "logprobs": self.lp.chat(evs, parsed.logprobs),
                 "finish_reason": finish_reason(_FINISH[f.reason], bool(calls))}
 

@@ -1,13 +1,16 @@
 """The chunks of a streamed completion or chat completion (server-sent events), per choice:
 the opening chunk (chat: the role; completions with ``echo``: the prompt's text and
 logprobs), one chunk per token's text, streamed tool-call deltas as OpenAI streams them
-(``ToolCallStream``: the name first, then the arguments), and the finish chunk."""
+(``ToolCallStream``: the name first, then the arguments), a thought apart from the answer
+(``ReasoningStream``: ``reasoning_content`` deltas, with ``--reasoning-parser think``), and
+the finish chunk."""
 from __future__ import annotations
 
 import json
 import time
 
 from .domain import FinishEvent, FinishReason, TokenEvent
+from .reasoning import ReasoningStream
 from .tool_call_stream import ToolCallStream
 from .tool_calls import finish_reason
 
@@ -26,6 +29,8 @@ class SseChoices:
         self.offsets = [0] * n
         self.tools = [ToolCallStream(parsed.tool_format) for _ in range(n)] \
             if chat and parsed.tool_format is not None else None
+        self.thoughts = [ReasoningStream(parsed.reasoning_open) for _ in range(n)] \
+            if chat and parsed.reasoning_open is not None else None
 
     async def send(self, choices: list[dict], usage: dict | None = None, **extra) -> None:
         chunk = {"id": self.rid, "object": self.obj, "created": self.created,
@@ -65,12 +70,13 @@ class SseChoices:
         p = self.parsed
         if self.chat:
             lp = self.lp.chat([ev], p.logprobs) if p.logprobs and not ev.special else None
-            if self.tools is None:
-                deltas = [{"content": ev.text}] if ev.text or lp is not None else []
-            else:
-                deltas = self.tools[i].push(ev.text) if ev.text else []
-                if not deltas and lp is not None:
-                    deltas = [{}]  # the token's logprobs; its text held by the call parser
+            pieces = self.thoughts[i].push(ev.text) if self.thoughts is not None and ev.text \
+                else [("content", ev.text)]
+            deltas = self._chat_deltas(i, pieces)
+            if not deltas and lp is not None:  # the token's logprobs: its text held by a
+                # parser, or none yet (a character's first bytes)
+                deltas = [{"content": ""}] if self.tools is None and self.thoughts is None \
+                    else [{}]
             for k, d in enumerate(deltas):
                 await self.send([{"index": i, "delta": d, "logprobs": lp if k == 0 else None,
                                   "finish_reason": None}])
@@ -83,14 +89,30 @@ class SseChoices:
                                                          specials=p.echo)}])
         self.offsets[i] += len(ev.text)
 
+    def _chat_deltas(self, i: int, pieces: list[tuple[str, str]]) -> list[dict]:
+        """A token's text, split into thought and answer (``pieces``), as chat deltas: the
+        answer through the tool-call parser where there is one."""
+        deltas: list[dict] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                deltas.append({"reasoning_content": text})
+            elif self.tools is not None:
+                deltas += self.tools[i].push(text) if text else []
+            elif text:
+                deltas.append({"content": text})
+        return deltas
+
     async def finish(self, i: int, ev: FinishEvent) -> None:
         reason = FINISH[ev.reason]
         if self.chat:
+            held = self._chat_deltas(i, self.thoughts[i].finish()) \
+                if self.thoughts is not None else []
             if self.tools is not None:
-                for d in self.tools[i].finish():
-                    await self.send([{"index": i, "delta": d, "logprobs": None,
-                                      "finish_reason": None}])
+                held += self.tools[i].finish()
                 reason = finish_reason(reason, bool(self.tools[i].calls))
+            for d in held:
+                await self.send([{"index": i, "delta": d, "logprobs": None,
+                                  "finish_reason": None}])
             await self.send([{"index": i, "delta": {}, "logprobs": None,
                               "finish_reason": reason}])
         else:

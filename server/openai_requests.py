@@ -159,6 +159,9 @@ class Parsed:
     prompt_ids: list[list[int]] = field(default_factory=list)
     prompt_texts: list[str] = field(default_factory=list)
     generate: bool = True  # False: max_tokens 0 with echo (the prompt's scores only)
+    # chat with --reasoning-parser think: whether the prompt leaves the model inside a
+    # thought (``server.reasoning``); None: replies are not split
+    reasoning_open: bool | None = None
 
     @property
     def scores_prompt(self) -> bool:

@@ -1,0 +1,102 @@
+"""A chat reply's reasoning apart from its answer (``kvserve serve --reasoning-parser think``):
+models that think in ``<think> ... </think>`` before they answer (Qwen3, DeepSeek-R1 and its
+distillations, SmolLM3) get the thought in the message's ``reasoning_content`` (as vLLM's
+reasoning parsers and DeepSeek's API return it) and the answer in ``content``; tool calls
+are parsed from the answer only.
+
+The rule, the same streamed and not: the reply thinks first where it begins with ``<think>``
+(after whitespace), or where the prompt ended inside a thought (a template that opens it for
+the model, as DeepSeek-R1's does); the thought runs to ``</think>``, or to the end of a reply
+cut off while thinking. Newlines around the thought and before the answer are the format's,
+not the text's (Qwen3's template strips them when it renders the history). A reply that does
+not think is all content, ``reasoning_content`` absent.
+"""
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def opens_thought(prompt_tail: str) -> bool:
+    """Whether a prompt ending with ``prompt_tail`` (its last few tokens' text) leaves the
+    model inside a thought."""
+    rest = prompt_tail.rstrip()
+    return rest.endswith(OPEN) and not rest.endswith(CLOSE)
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning or None, content) of a finished reply."""
+    if not opened:
+        head = text.lstrip()
+        if not head.startswith(OPEN):
+            return None, text
+        text = head[len(OPEN):]
+    thought, closed, answer = text.partition(CLOSE)
+    return thought.strip("\n"), answer.lstrip("\n") if closed else ""
+
+
+def _held(buf: str, marker: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
+    for n in range(min(len(buf), len(marker) - 1), 0, -1):
+        if marker.startswith(buf[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Streamed text in, ``("reasoning" | "content", text)`` pieces out: what
+    ``split_reasoning`` makes of the whole, sent as soon as it is known (a tag split across
+    tokens, and newlines that may turn out to be the format's, are held until they are)."""
+
+    def __init__(self, opened: bool = False):
+        self._state = "thought" if opened else "start"
+        self._buf = ""
+        self._fresh = True  # nothing of the current part sent yet (its leading newlines drop)
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self._state == "start":
+                head = self._buf.lstrip()
+                if head.startswith(OPEN):
+                    self._buf, self._state, self._fresh = head[len(OPEN):], "thought", True
+                    continue
+                if head and not OPEN.startswith(head):
+                    self._state = "content"
+                    self._fresh = False  # (a reply that does not think: its text as it is)
+                    continue
+                return out  # whitespace, or the tag's beginning: not known yet
+            if self._state == "thought":
+                head, closed, rest = self._buf.partition(CLOSE)
+                if closed:
+                    self._emit(out, "reasoning", head.rstrip("\n"))
+                    self._buf, self._state, self._fresh = rest, "answer", True
+                    continue
+                # held: the close tag's beginning, and the newlines before it
+                sure = self._buf[:len(self._buf) - _held(self._buf, CLOSE)].rstrip("\n")
+                self._emit(out, "reasoning", sure)
+                self._buf = self._buf[len(sure):]
+                return out
+            self._emit(out, "content", self._buf)  # "answer" / "content"
+            self._buf = ""
+            return out
+
+    def finish(self) -> list[tuple[str, str]]:
+        """What is still held, at the end of the reply."""
+        buf, self._buf = self._buf, ""
+        out: list[tuple[str, str]] = []
+        if self._state == "start":  # (whitespace, or the tag's beginning: content)
+            self._state = "content"
+            self._emit(out, "content", buf)
+        elif self._state == "thought":
+            self._emit(out, "reasoning", buf.rstrip("\n"))
+        else:
+            self._emit(out, "content", buf)
+        return out
+
+    def _emit(self, out: list, kind: str, text: str) -> None:
+        if self._fresh and self._state != "content":
+            text = text.lstrip("\n")
+        if text:
+            out.append((kind, text))
+            self._fresh = False

@@ -1,0 +1,118 @@
+"""``kvserve serve --reasoning-parser think`` through the official ``openai`` client: a reply's
+``<think> ... </think>`` thought comes back as the message's ``reasoning_content`` and the
+answer as its ``content``, streamed (``reasoning_content`` deltas) as not; tool calls are
+parsed from the answer; a prompt that leaves the model inside a thought, and a reply cut off
+while thinking, are split by the same rule; without the flag the reply is as written. The
+random-init model's replies are steered by a structured output (a regex or a grammar)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from chat_helpers import TOKEN  # noqa: E402
+from kvserve_testing import running_app  # noqa: E402
+from test_tools_http import MSGS, TOOLS, _streamed  # noqa: E402
+
+THOUGHT_THEN_ANSWER = "<think>\n[a-z]{3,10}\n</think>\n\n[a-z]{2,8}"
+
+
+@pytest.fixture(scope="module")
+def thinking(tools_artifact):
+    with running_app(tools_artifact, http_port=0, auth_token=TOKEN, max_batch=8,
+                     max_queue=32, reasoning_parser="think") as app:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{app.http_port}/v1", api_key=TOKEN,
+                           max_retries=0, timeout=120) as c:
+            yield c
+
+
+def _streamed_thought(chunks) -> tuple[str, str, str]:
+    """(reasoning, content, finish_reason) of a streamed chat reply."""
+    thought, content, reason = "", "", None
+    for ch in chunks:
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        thought += getattr(d, "reasoning_content", None) or ""
+        content += d.content or ""
+        reason = ch.choices[0].finish_reason or reason
+    return thought, content, reason
+
+
+def _create(client, **kw):
+    return client.chat.completions.create(model="artifact", temperature=0, **kw)
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_the_thought_apart_from_the_answer(thinking, logprobs):
+    kw = dict(messages=MSGS, max_tokens=64, logprobs=logprobs,
+              extra_body={"structured_outputs": {"regex": THOUGHT_THEN_ANSWER}})
+    m = _create(thinking, **kw).choices[0].message
+    assert re.fullmatch("[a-z]{3,10}", m.reasoning_content), m
+    assert re.fullmatch("[a-z]{2,8}", m.content), m
+    assert _streamed_thought(_create(thinking, stream=True, **kw)) == \
+        (m.reasoning_content, m.content, "stop")
+
+
+def test_a_tool_call_after_the_thought(thinking, tools_artifact):
+    tok = tools_artifact.tokenizer
+    o, c = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    grammar = (f'start: "<think>" THOUGHT "</think>\\n\\n" <[{o}]> "\\n{{\\"name\\": '
+               f'\\"get_time\\", \\"arguments\\": {{\\"zone\\": \\"" ZONE "\\"}}}}\\n" '
+               f'<[{c}]>\nTHOUGHT: /[a-z]{{3,8}}/\nZONE: "UTC" | "CET"')
+    kw = dict(messages=MSGS, tools=TOOLS, max_tokens=80,
+              extra_body={"structured_outputs": {"grammar": grammar}})
+    choice = _create(thinking, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert re.fullmatch("[a-z]{3,8}", choice.message.reasoning_content)
+    assert not choice.message.content
+    call = choice.message.tool_calls[0].function
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    chunks = list(_create(thinking, stream=True, **kw))
+    calls, content, reason = _streamed(chunks)
+    assert reason == "tool_calls" and content == ""
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.arguments)
+    assert _streamed_thought(chunks)[0] == choice.message.reasoning_content
+
+
+def test_a_prompt_that_opens_the_thought(thinking):
+    """The template leaves the model inside ``<think>`` (here: a final assistant message
+    continued): what it writes up to ``</think>`` is the thought, without an opening tag."""
+    kw = dict(messages=MSGS + [{"role": "assistant", "content": "<think>\n"}], max_tokens=64,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                          "structured_outputs": {"regex": "[a-z]{3,10}\n</think>\n\n[a-z]{2,8}"}})
+    m = _create(thinking, **kw).choices[0].message
+    assert re.fullmatch("[a-z]{3,10}", m.reasoning_content), m
+    assert re.fullmatch("[a-z]{2,8}", m.content), m
+    assert _streamed_thought(_create(thinking, stream=True, **kw))[:2] == \
+        (m.reasoning_content, m.content)
+
+
+def test_a_reply_cut_off_while_thinking(thinking):
+    kw = dict(messages=MSGS, max_tokens=16,
+              extra_body={"structured_outputs": {"regex": "<think>[a-z]{60,80}</think>x"}})
+    choice = _create(thinking, **kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert re.fullmatch("[a-z]+", choice.message.reasoning_content), choice
+    assert not choice.message.content
+    thought, content, _ = _streamed_thought(_create(thinking, stream=True, **kw))
+    assert (thought, content) == (choice.message.reasoning_content, "")
+
+
+def test_a_reply_that_does_not_think_is_all_content(thinking):
+    kw = dict(messages=MSGS, max_tokens=16,
+              extra_body={"structured_outputs": {"regex": "[a-z]{2,8}"}})
+    m = _create(thinking, **kw).choices[0].message
+    assert re.fullmatch("[a-z]{2,8}", m.content)
+    assert getattr(m, "reasoning_content", None) is None
+
+
+def test_without_the_parser_the_reply_is_as_written(tools_oai):
+    kw = dict(messages=MSGS, max_tokens=64,
+              extra_body={"structured_outputs": {"regex": THOUGHT_THEN_ANSWER}})
+    m = _create(tools_oai, **kw).choices[0].message
+    assert re.fullmatch(THOUGHT_THEN_ANSWER, m.content), m
+    assert getattr(m, "reasoning_content", None) is None
