@@ -33,7 +33,7 @@ from .http_tokenize import add_tokenize_routes
 from .auth import bearer_ok
 from .openai_requests import ApiError, Parsed, check_json_body, from_serving_error, \
     parse_completion, parse_json
-from .reasoning import opens_thought, split_reasoning
+from .reasoning import prompt_opens_thought, split_reasoning
 from .tool_calls import added_token_ids, finish_reason
 from .validation import is_utf8
 
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 _STREAMING = web.RequestKey("kvserve_streaming", bool) if hasattr(web, "RequestKey") \
     else "kvserve_streaming"
 
-REASONING_TAIL = 8  # a chat prompt's last tokens: does it leave the model inside a thought?
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # nginx: pass each event on at once
 
@@ -204,9 +203,8 @@ class OpenAIApi:
                 if chat:
                     parsed = parse_chat(body, self.prompts, self.model, rid, self._added())
                     if self.reasoning:
-                        tail = parsed.prompt_ids[0][-REASONING_TAIL:]
-                        parsed.reasoning_open = opens_thought(
-                            b"".join(self.tb[t] for t in tail).decode("utf-8", "replace"))
+                        parsed.reasoning_open = prompt_opens_thought(parsed.prompt_ids[0],
+                                                                     self.tb)
                 else:
                     parsed = parse_completion(body, self.prompts, self.model, rid)
                 if parsed.spec is not None:  # one matcher per choice

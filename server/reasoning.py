@@ -23,6 +23,15 @@ def opens_thought(prompt_tail: str) -> bool:
     return rest.endswith(OPEN) and not rest.endswith(CLOSE)
 
 
+TAIL_TOKENS = 8  # a prompt's last tokens, enough for the tag and whitespace around it
+
+
+def prompt_opens_thought(ids, token_bytes) -> bool:
+    """``opens_thought`` of a prompt's token ids (``token_bytes``: ``detok.TokenBytes``)."""
+    tail = b"".join(token_bytes[t] for t in ids[-TAIL_TOKENS:])
+    return opens_thought(tail.decode("utf-8", "replace"))
+
+
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(reasoning or None, content) of a finished reply."""
     if not opened:

