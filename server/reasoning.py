@@ -13,6 +13,8 @@ not think is all content, ``reasoning_content`` absent.
 """
 from __future__ import annotations
 
+from .tool_call_stream import held_back
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -41,14 +43,6 @@ def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
         text = head[len(OPEN):]
     thought, closed, answer = text.partition(CLOSE)
     return thought.strip("\n"), answer.lstrip("\n") if closed else ""
-
-
-def _held(buf: str, marker: str) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(buf), len(marker) - 1), 0, -1):
-        if marker.startswith(buf[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStream:
@@ -82,7 +76,7 @@ class ReasoningStream:
                     self._buf, self._state, self._fresh = rest, "answer", True
                     continue
                 # held: the close tag's beginning, and the newlines before it
-                sure = self._buf[:len(self._buf) - _held(self._buf, CLOSE)].rstrip("\n")
+                sure = self._buf[:len(self._buf) - held_back(self._buf, CLOSE)].rstrip("\n")
                 self._emit(out, "reasoning", sure)
                 self._buf = self._buf[len(sure):]
                 return out

@@ -20,7 +20,7 @@ MISTRAL_MARK = "[TOOL_CALLS]"
 PY_TAG = "<|python_tag|>"
 
 
-def _held_back(buf: str, marker: str) -> int:
+def held_back(buf: str, marker: str) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of ``marker``."""
     for n in range(min(len(buf), len(marker) - 1), 0, -1):
         if marker.startswith(buf[-n:]):
@@ -75,7 +75,7 @@ class ToolCallStream:
             if not self._in_call:
                 k = self._buf.find(OPEN)
                 if k < 0:
-                    keep = _held_back(self._buf, OPEN)
+                    keep = held_back(self._buf, OPEN)
                     text, self._buf = self._buf[:len(self._buf) - keep], self._buf[
                         len(self._buf) - keep:]
                     if text.strip() or (text and not self.calls):
@@ -120,6 +120,6 @@ class ToolCallStream:
         if k >= 0:
             text, self._buf, self._in_call = self._buf[:k], self._buf[k:], True
             return [{"content": text}] if text else []
-        keep = _held_back(self._buf, MISTRAL_MARK)
+        keep = held_back(self._buf, MISTRAL_MARK)
         text, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return [{"content": text}] if text else []
