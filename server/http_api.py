@@ -202,9 +202,10 @@ class OpenAIApi:
             try:
                 if chat:
                     parsed = parse_chat(body, self.prompts, self.model, rid, self._added())
-                    if self.reasoning:
-                        parsed.reasoning_open = prompt_opens_thought(parsed.prompt_ids[0],
-                                                                     self.tb)
+                    if self.reasoning:  # (a constrained reply is the answer from its
+                        # first token: split only where it writes <think> itself)
+                        parsed.reasoning_open = parsed.spec is None and \
+                            prompt_opens_thought(parsed.prompt_ids[0], self.tb)
                 else:
                     parsed = parse_completion(body, self.prompts, self.model, rid)
                 if parsed.spec is not None:  # one matcher per choice
@@ -336,8 +337,10 @@ class OpenAIApi:
         thought, text = (None, f.text) if parsed.reasoning_open is None else \
             split_reasoning(f.text, parsed.reasoning_open)
         message, calls = tool_call_message(text, parsed.tool_format)
-        if thought is not None:
+        if parsed.reasoning_open is not None:  # (with the parser on, always there: as vLLM)
             message["reasoning_content"] = thought
+            if thought is not None and message.get("content") == "":
+                message["content"] = None  # (cut off while thinking)
         return {"index": i, "message": message, "logprobs": self.lp.chat(evs, parsed.logprobs),
                 "finish_reason": finish_reason(_FINISH[f.reason], bool(calls))}
 

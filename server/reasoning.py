@@ -6,10 +6,13 @@ are parsed from the answer only.
 
 The rule, the same streamed and not: the reply thinks first where it begins with ``<think>``
 (after whitespace), or where the prompt ended inside a thought (a template that opens it for
-the model, as DeepSeek-R1's does); the thought runs to ``</think>``, or to the end of a reply
-cut off while thinking. Newlines around the thought and before the answer are the format's,
-not the text's (Qwen3's template strips them when it renders the history). A reply that does
-not think is all content, ``reasoning_content`` absent.
+the model, as DeepSeek-R1's does; an opening tag the model writes again is dropped); the
+thought runs to ``</think>``, or to the end of a reply cut off while thinking. Newlines
+around the thought and before the answer are the format's, not the text's (Qwen3's template
+strips them when it renders the history). A reply that does not think is all content. A
+constrained reply (a structured output, a forced tool call) is the answer from its first
+token: the HTTP layer splits it only where it begins with ``<think>`` (a grammar that writes
+the thought).
 """
 from __future__ import annotations
 
@@ -34,15 +37,18 @@ def prompt_opens_thought(ids, token_bytes) -> bool:
     return opens_thought(tail.decode("utf-8", "replace"))
 
 
+NL = "\r\n"  # the newlines around a thought and before the answer: the format's
+
+
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(reasoning or None, content) of a finished reply."""
-    if not opened:
-        head = text.lstrip()
-        if not head.startswith(OPEN):
-            return None, text
+    head = text.lstrip()
+    if head.startswith(OPEN):
         text = head[len(OPEN):]
+    elif not opened:
+        return None, text
     thought, closed, answer = text.partition(CLOSE)
-    return thought.strip("\n"), answer.lstrip("\n") if closed else ""
+    return thought.strip(NL), answer.lstrip(NL) if closed else ""
 
 
 class ReasoningStream:
@@ -51,7 +57,8 @@ class ReasoningStream:
     tokens, and newlines that may turn out to be the format's, are held until they are)."""
 
     def __init__(self, opened: bool = False):
-        self._state = "thought" if opened else "start"
+        self._opened = opened
+        self._state = "start"
         self._buf = ""
         self._fresh = True  # nothing of the current part sent yet (its leading newlines drop)
 
@@ -59,24 +66,23 @@ class ReasoningStream:
         self._buf += text
         out: list[tuple[str, str]] = []
         while True:
-            if self._state == "start":
+            if self._state == "start":  # an opening tag (again, after a prompt that opened)?
                 head = self._buf.lstrip()
                 if head.startswith(OPEN):
-                    self._buf, self._state, self._fresh = head[len(OPEN):], "thought", True
+                    self._buf, self._state = head[len(OPEN):], "thought"
                     continue
-                if head and not OPEN.startswith(head):
-                    self._state = "content"
-                    self._fresh = False  # (a reply that does not think: its text as it is)
-                    continue
-                return out  # whitespace, or the tag's beginning: not known yet
+                if not head or OPEN.startswith(head):
+                    return out  # whitespace, or the tag's beginning: not known yet
+                self._state = "thought" if self._opened else "content"
+                continue
             if self._state == "thought":
                 head, closed, rest = self._buf.partition(CLOSE)
                 if closed:
-                    self._emit(out, "reasoning", head.rstrip("\n"))
+                    self._emit(out, "reasoning", head.rstrip(NL))
                     self._buf, self._state, self._fresh = rest, "answer", True
                     continue
                 # held: the close tag's beginning, and the newlines before it
-                sure = self._buf[:len(self._buf) - held_back(self._buf, CLOSE)].rstrip("\n")
+                sure = self._buf[:len(self._buf) - held_back(self._buf, CLOSE)].rstrip(NL)
                 self._emit(out, "reasoning", sure)
                 self._buf = self._buf[len(sure):]
                 return out
@@ -88,18 +94,17 @@ class ReasoningStream:
         """What is still held, at the end of the reply."""
         buf, self._buf = self._buf, ""
         out: list[tuple[str, str]] = []
-        if self._state == "start":  # (whitespace, or the tag's beginning: content)
-            self._state = "content"
-            self._emit(out, "content", buf)
-        elif self._state == "thought":
-            self._emit(out, "reasoning", buf.rstrip("\n"))
+        if self._state == "start":  # (whitespace, or the tag's beginning)
+            self._state = "thought" if self._opened else "content"
+        if self._state == "thought":
+            self._emit(out, "reasoning", buf.rstrip(NL))
         else:
             self._emit(out, "content", buf)
         return out
 
     def _emit(self, out: list, kind: str, text: str) -> None:
         if self._fresh and self._state != "content":
-            text = text.lstrip("\n")
+            text = text.lstrip(NL)
         if text:
             out.append((kind, text))
             self._fresh = False

@@ -50,11 +50,16 @@ def _create(client, **kw):
 def test_the_thought_apart_from_the_answer(thinking, logprobs):
     kw = dict(messages=MSGS, max_tokens=64, logprobs=logprobs,
               extra_body={"structured_outputs": {"regex": THOUGHT_THEN_ANSWER}})
-    m = _create(thinking, **kw).choices[0].message
+    c = _create(thinking, **kw).choices[0]
+    m = c.message
     assert re.fullmatch("[a-z]{3,10}", m.reasoning_content), m
     assert re.fullmatch("[a-z]{2,8}", m.content), m
-    assert _streamed_thought(_create(thinking, stream=True, **kw)) == \
-        (m.reasoning_content, m.content, "stop")
+    chunks = list(_create(thinking, stream=True, **kw))
+    assert _streamed_thought(chunks) == (m.reasoning_content, m.content, "stop")
+    if logprobs:  # each token's logprobs once, whichever part its text went to
+        streamed = [t.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                    for t in ch.choices[0].logprobs.content]
+        assert streamed == [t.token for t in c.logprobs.content] and len(streamed) > 4
 
 
 def test_a_tool_call_after_the_thought(thinking, tools_artifact):
@@ -78,17 +83,41 @@ def test_a_tool_call_after_the_thought(thinking, tools_artifact):
     assert _streamed_thought(chunks)[0] == choice.message.reasoning_content
 
 
-def test_a_prompt_that_opens_the_thought(thinking):
+OPENED = MSGS + [{"role": "assistant", "content": "<think>\n"}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_a_prompt_that_opens_the_thought(thinking, tools_oai):
     """The template leaves the model inside ``<think>`` (here: a final assistant message
-    continued): what it writes up to ``</think>`` is the thought, without an opening tag."""
-    kw = dict(messages=MSGS + [{"role": "assistant", "content": "<think>\n"}], max_tokens=64,
-              extra_body={"continue_final_message": True, "add_generation_prompt": False,
-                          "structured_outputs": {"regex": "[a-z]{3,10}\n</think>\n\n[a-z]{2,8}"}})
-    m = _create(thinking, **kw).choices[0].message
-    assert re.fullmatch("[a-z]{3,10}", m.reasoning_content), m
-    assert re.fullmatch("[a-z]{2,8}", m.content), m
-    assert _streamed_thought(_create(thinking, stream=True, **kw))[:2] == \
-        (m.reasoning_content, m.content)
+    continued): what it writes up to ``</think>`` is the thought, without an opening tag; the
+    random model never closes it, so its whole greedy reply (as a server without the parser
+    returns it) is the thought, the reply cut off while thinking."""
+    kw = dict(messages=OPENED, max_tokens=24, extra_body=CONTINUE)
+    raw = _create(tools_oai, **kw).choices[0].message.content
+    assert "</think>" not in raw and not raw.lstrip().startswith("<think>")
+    choice = _create(thinking, **kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.reasoning_content == raw.strip("\r\n") and choice.message.content is None
+    assert _streamed_thought(_create(thinking, stream=True, **kw)) == \
+        (raw.strip("\r\n"), "", "length")
+
+
+def test_a_constrained_reply_is_the_answer(thinking):
+    """A forced tool call or a structured output is constrained from its first token: after
+    a prompt that opened the thought it is still the answer (the call parsed, the JSON in
+    ``content``), not a thought."""
+    kw = dict(messages=OPENED, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=160, extra_body=CONTINUE)
+    choice = _create(thinking, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.reasoning_content is None
+    assert choice.message.tool_calls[0].function.name in ("get_weather", "get_time")
+    calls, content, reason = _streamed(_create(thinking, stream=True, **kw))
+    assert reason == "tool_calls" and calls[0]["name"] == \
+        choice.message.tool_calls[0].function.name
+    m = _create(thinking, messages=OPENED, max_tokens=32, extra_body={
+        **CONTINUE, "structured_outputs": {"regex": "[a-z]{2,8}"}}).choices[0].message
+    assert re.fullmatch("[a-z]{2,8}", m.content) and m.reasoning_content is None
 
 
 def test_a_reply_cut_off_while_thinking(thinking):
@@ -97,7 +126,7 @@ def test_a_reply_cut_off_while_thinking(thinking):
     choice = _create(thinking, **kw).choices[0]
     assert choice.finish_reason == "length"
     assert re.fullmatch("[a-z]+", choice.message.reasoning_content), choice
-    assert not choice.message.content
+    assert choice.message.content is None
     thought, content, _ = _streamed_thought(_create(thinking, stream=True, **kw))
     assert (thought, content) == (choice.message.reasoning_content, "")
 
@@ -107,7 +136,8 @@ def test_a_reply_that_does_not_think_is_all_content(thinking):
               extra_body={"structured_outputs": {"regex": "[a-z]{2,8}"}})
     m = _create(thinking, **kw).choices[0].message
     assert re.fullmatch("[a-z]{2,8}", m.content)
-    assert getattr(m, "reasoning_content", None) is None
+    assert m.reasoning_content is None  # (there, null: as vLLM)
+    assert _streamed_thought(_create(thinking, stream=True, **kw)) == ("", m.content, "stop")
 
 
 def test_without_the_parser_the_reply_is_as_written(tools_oai):

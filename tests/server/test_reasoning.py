@@ -28,7 +28,13 @@ CASES = [
     ("thought\n</think>\n\nanswer", True, ("thought", "answer")),
     ("still thinking", True, ("still thinking", "")),
     ("", True, ("", "")),
-    ("<think>x</think>y", True, ("<think>x", "y")),
+    ("<think>x</think>y", True, ("x", "y")),  # (an opening tag written again: dropped)
+    ("  \n<think>\nx</think>y", True, ("x", "y")),
+    ("<thi", True, ("<thi", "")),
+    ("<think>\r\nI.\r\n</think>\r\n\r\nAns", False, ("I.", "Ans")),
+    ("a</think>b", False, (None, "a</think>b")),  # (no thought opened: as written)
+    ("é😀<think>中</think>文", False, (None, "é😀<think>中</think>文")),
+    ("<think>中</think>文", False, ("中", "文")),
 ]
 
 
