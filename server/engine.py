@@ -53,7 +53,7 @@ from .output import OutputProcessor
 from .prefix_cache import BLOCK_TOKENS, PrefixCache, prefix_cache_unsupported_reason
 from .rounding import diagnostics_apart, shape_sensitive
 from .scheduler import Scheduler
-from .score_cache import ScorePool
+from .score_cache import KeepPolicy, ScorePool
 from .scoring import score_steps
 from .sequence import Handle, ScoreJob, Sequence
 from .fast_forward import FastForward
@@ -126,6 +126,8 @@ class Engine:
         # (server.scoring): where rows are shared at all, and the graph feeds slots that
         # hold rows already in one call
         self.score_shares = self.prefix is not None and self.lm.kind == "fused"
+        # whether Score's rows are kept for later Scores: backs off while none are taken
+        self.score_keep = KeepPolicy()
         # the tokens a constraint forces, fed as that row's draft (exact; its own switch)
         self.fast_forward = FastForward(self.cfg.max_seq_len, costs=self.costs) \
             if fast_forward and getattr(lm, "supports_verify", False) and not self.inexact \
@@ -438,7 +440,8 @@ class Engine:
             if job.steps is None:
                 job.steps = score_steps(
                     self.lm, job.req, self.chunk_tokens, share=self.score_shares,
-                    pool=ScorePool(self.prefix, lambda n: self._metrics.prefix_hit(n))
+                    pool=ScorePool(self.prefix, lambda n: self._metrics.prefix_hit(n),
+                                   self.score_keep)
                     if self.score_shares and self.prefix is not None else None)
             next(job.steps)
         except StopIteration as done:  # the generator returns the results

@@ -16,14 +16,45 @@ from typing import Callable
 
 import numpy as np
 
+# Score sequences in a row that found nothing kept before keeping backs off, and then one in
+# this many still kept (a probe: a repeated context is caught again by the next that takes it)
+KEEP_AFTER_MISSES = 32
+PROBE_EVERY = 8
+
+
+class KeepPolicy:
+    """Whether a Score's rows are kept: keeping costs a device copy a request (one-off
+    requests 1.10x / 1.06x the time at 32 / 128 tokens on the 6M model, 1.03x on the 100M:
+    bench/results/score-keep.md), and pays only where a later Score takes them. After
+    ``after`` takes in a row found nothing kept, only one keep in ``every`` is made, until a
+    take finds something again. One per engine (Score jobs come and go); not thread-safe (the
+    engine's thread)."""
+
+    def __init__(self, after: int = KEEP_AFTER_MISSES, every: int = PROBE_EVERY):
+        self.after, self.every = after, every
+        self.misses = 0  # takes in a row that found nothing kept
+        self.skipped = 0  # keeps not made (backed off)
+
+    def taken(self, hit: bool) -> None:
+        self.misses = 0 if hit else self.misses + 1
+
+    def keep(self) -> bool:
+        backed = self.misses - self.after
+        if backed < 0 or backed % self.every == 0:
+            return True
+        self.skipped += 1
+        return False
+
 
 class ScorePool:
     """Score's use of the engine's ``PrefixCache`` (``prefix``). ``on_hit(tokens)``: the
     tokens a take served (the rows restored, or a wholly kept sequence's tokens), once per
-    take however many sequences share it (the hit counter)."""
+    take however many sequences share it (the hit counter). ``policy``: the engine's
+    ``KeepPolicy`` (None: every Score's rows are kept)."""
 
-    def __init__(self, prefix, on_hit: Callable[[int], None] | None = None):
-        self.prefix, self.on_hit = prefix, on_hit
+    def __init__(self, prefix, on_hit: Callable[[int], None] | None = None,
+                 policy: KeepPolicy | None = None):
+        self.prefix, self.on_hit, self.policy = prefix, on_hit, policy
 
     def take(self, kv, slot: int, ids, scored: list, whole: bool) -> int:
         """Restore into the empty ``slot`` the cached rows of ``ids`` whose log-probabilities
@@ -34,6 +65,8 @@ class ScorePool:
         restored (nothing to feed: the sequence is scored)."""
         prefix, n = self.prefix, scored[0].n_top
         blocks, scores = prefix.scored_match(ids, n)
+        if self.policy is not None:
+            self.policy.taken(bool(blocks))
         try:
             if not blocks:
                 return 0
@@ -60,8 +93,8 @@ class ScorePool:
         """After their calls: the rows of each (slot, ids, scored) (the slot's first rows are
         ``ids``' rows) into the pool, one device copy for all, on probation (evicted before
         other blocks until a request takes them), and their log-probabilities with the
-        blocks."""
-        if not items:
+        blocks; none where the policy has backed off."""
+        if not items or (self.policy is not None and not self.policy.keep()):
             return
         self.prefix.insert_many(kv, [(slot, ids) for slot, ids, _ in items], probation=True)
         for _, ids, s in items:
