@@ -370,8 +370,31 @@ def test_score_shared_measures_both_ways(tiny_artifact, monkeypatch):
     assert md.count("| tiny |") == len(S.CELLS)
 
 
+def test_score_keep_measures_every_way(tiny_artifact, monkeypatch):
+    """bench/score_keep.py on the tiny artifact (fewer requests, a short header): every cell
+    timed every way every round; the few-shot cell takes the header from the cache where
+    rows are kept (always, adaptive), never where none are; one-off requests take nothing."""
+    import kvserve.bench.score_keep as S
+
+    for name, value in (("REQUESTS", 6), ("WARM", 4), ("HEADER", 40)):
+        monkeypatch.setattr(S, name, value)
+    monkeypatch.setattr(S, "CELLS", {"one-off": (S._one_off, 20), "few-shot": (S._few_shot, 0)})
+    res = S.measure(tiny_artifact, rounds=2, threads=1)
+    for cell in S.CELLS:
+        assert all(len(res[cell][w]["rounds_ms"]) == 2 for w in S.WAYS), cell
+    assert all(res["one-off"][w]["cached_tokens"] == 0 for w in S.WAYS)
+    few = res["few-shot"]
+    assert few["always"]["cached_tokens"] > 0  # (the header: all but the timed phase's first)
+    assert few["adaptive"]["cached_tokens"] == few["always"]["cached_tokens"]
+    assert few["never"]["cached_tokens"] == 0
+    md = S.render({"rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y", "date": "z",
+                   "sizes": {"tiny": res}})
+    assert md.count("| tiny |") == 2 * len(S.WAYS)
+
+
 @pytest.mark.parametrize("script, name", [("prefix_tokens", "prefix-tokens"),
                                           ("score_shared", "score-shared"),
+                                          ("score_keep", "score-keep"),
                                           ("burst_admission", "burst-admission"),
                                           ("shape_rounding", "shape-rounding"),
                                           ("attention_cost", "attention-cost"),
