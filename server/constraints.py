@@ -153,8 +153,34 @@ def _to_grammar(kind: str, value, name: str) -> str:
         return llg.LLMatcher.grammar_from_lark(value)
     if kind == "choice":
         return _choice_grammar(value, name)
+    if kind == THOUGHT_FIRST:
+        return _thought_first(*value)
     raise InvalidArgument(f"{name}: unknown constraint kind {kind!r}; the kinds are "
                           f"{', '.join(KINDS)}")
+
+
+THOUGHT_FIRST = "thought_first"  # (internal: ``after_thought``)
+
+
+def after_thought(spec: "ConstraintSpec", open_id: int, close_id: int,
+                  opened: bool) -> "ConstraintSpec":
+    """``spec`` applied after a thought (``server.reasoning``): an optional ``<think> ...
+    </think>`` first (``opened``: the prompt opened it, so the reply starts inside it and
+    must close it), free text inside, newlines or spaces after it, then what ``spec``
+    constrains. The tags are the tokenizer's added tokens ``open_id`` and ``close_id``."""
+    return ConstraintSpec(THOUGHT_FIRST, (spec, int(open_id), int(close_id), bool(opened)),
+                          spec.field)
+
+
+def _thought_first(spec: "ConstraintSpec", open_id: int, close_id: int, opened: bool) -> str:
+    top = json.loads(spec.grammar)
+    grammars = top["grammars"]
+    answer = grammars[0].setdefault("name", "kvserve_answer")
+    thought = f"THOUGHT <[{close_id}]> /[\\r\\n ]*/"
+    start = f"start: {thought} @{answer}" if opened else \
+        f"start: thought? @{answer}\nthought: <[{open_id}]> {thought}"
+    lark = start + "\nTHOUGHT: /(.|\\n)*/\n"
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *grammars]})
 
 
 def _check_str(name: str, value, limit: int, what: str) -> None:

@@ -33,7 +33,9 @@ from .http_tokenize import add_tokenize_routes
 from .auth import bearer_ok
 from .openai_requests import ApiError, Parsed, check_json_body, from_serving_error, \
     parse_completion, parse_json
-from .reasoning import prompt_opens_thought, split_reasoning
+from .constraints import after_thought
+from .reasoning import CLOSE as CLOSE_TAG, OPEN as OPEN_TAG, prompt_opens_thought, \
+    split_reasoning
 from .tool_calls import added_token_ids, finish_reason
 from .validation import is_utf8
 
@@ -202,10 +204,8 @@ class OpenAIApi:
             try:
                 if chat:
                     parsed = parse_chat(body, self.prompts, self.model, rid, self._added())
-                    if self.reasoning:  # (a constrained reply is the answer from its
-                        # first token: split only where it writes <think> itself)
-                        parsed.reasoning_open = parsed.spec is None and \
-                            prompt_opens_thought(parsed.prompt_ids[0], self.tb)
+                    if self.reasoning:
+                        self._think_first(parsed)
                 else:
                     parsed = parse_completion(body, self.prompts, self.model, rid)
                 if parsed.spec is not None:  # one matcher per choice
@@ -216,6 +216,20 @@ class OpenAIApi:
                 raise from_serving_error(e) from None
 
         return await asyncio.get_running_loop().run_in_executor(None, work)
+
+    def _think_first(self, parsed: Parsed) -> None:
+        """``--reasoning-parser think``: whether the prompt opened a thought; a constraint
+        then applies after the thought (``constraints.after_thought``) where the tokenizer
+        has the tags as tokens, else from the first token (the reply is the answer)."""
+        parsed.reasoning_open = prompt_opens_thought(parsed.prompt_ids[0], self.tb)
+        if parsed.spec is None:
+            return
+        added = self._added()
+        if OPEN_TAG in added and CLOSE_TAG in added:
+            parsed.spec = after_thought(parsed.spec, added[OPEN_TAG], added[CLOSE_TAG],
+                                        parsed.reasoning_open)
+        else:
+            parsed.reasoning_open = False
 
     def _guides(self) -> Guides:
         if self.guides is None:

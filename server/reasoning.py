@@ -10,9 +10,9 @@ the model, as DeepSeek-R1's does; an opening tag the model writes again is dropp
 thought runs to ``</think>``, or to the end of a reply cut off while thinking. Newlines
 around the thought and before the answer are the format's, not the text's (Qwen3's template
 strips them when it renders the history). A reply that does not think is all content. A
-constrained reply (a structured output, a forced tool call) is the answer from its first
-token: the HTTP layer splits it only where it begins with ``<think>`` (a grammar that writes
-the thought).
+constrained reply (a structured output, a forced tool call) thinks first where the tags
+are the tokenizer's tokens (``constraints.after_thought``: the HTTP layer wraps the
+constraint); otherwise it is constrained, and so the answer, from its first token.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ HERMES_TEMPLATE = (
 TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 
 
-def build_tools_artifact(root: Path) -> Artifact:
+def build_tools_artifact(root: Path, extra_tokens: tuple[str, ...] = ()) -> Artifact:
+    """``extra_tokens``: more added tokens (a thinking model's ``<think>`` / ``</think>``)."""
     import torch
 
     from kvserve.export.pipeline import export_artifacts
@@ -37,7 +38,7 @@ def build_tools_artifact(root: Path) -> Artifact:
     from kvserve.model.config import preset
     from kvserve.model.transformer import Transformer
 
-    tok = chat_tokenizer(CHATML_TOKENS + TOOL_TOKENS)
+    tok = chat_tokenizer(CHATML_TOKENS + TOOL_TOKENS + tuple(extra_tokens))
     cfg = preset("tiny", vocab_size=tok.vocab_size, eos_token_id=tok.eos_id,
                  pad_token_id=tok.pad_id, init_std=0.1, max_seq_len=1024)
     torch.manual_seed(SEED)

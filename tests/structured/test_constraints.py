@@ -271,3 +271,33 @@ def test_components_import_neither_torch_nor_transformers():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("opened, text, allowed", [
+    (False, '<think>\nhmm\n</think>\n\n{"a":1}', True),  # a thought, then the answer
+    (False, '{"a":2}', True),  # no thought
+    (False, 'hmm</think>\n{"a":3}', False),  # a thought not opened
+    (False, '<think>x</think>y', False),  # the answer still constrained
+    (True, 'hmm</think>\n{"a":3}', True),  # the prompt opened it: the reply closes it
+    (True, '<think>\nhmm\n</think>\n\n{"a":1}', False),  # (not opened again)
+])
+def test_a_constraint_after_a_thought(qwen3_dir, qwen3_guide, opened, text, allowed):
+    """``after_thought`` (``--reasoning-parser think``): Qwen3's ``<think>`` / ``</think>``
+    tokens around free text, then the JSON schema's output; a complete reply accepted."""
+    from tokenizers import Tokenizer
+
+    from kvserve.server.constraints import after_thought
+
+    tok = Tokenizer.from_file(str(qwen3_dir / "tokenizer.json"))
+    o, c = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    spec = after_thought(ConstraintSpec.json_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+        o, c, opened)
+    con = qwen3_guide.constraint(spec)
+    ids = tok.encode(text, add_special_tokens=False).ids
+    if not allowed:
+        with pytest.raises(ConstraintViolation):
+            con.consume_tokens(ids)
+        return
+    con.consume_tokens(ids)
+    assert con.accepting
