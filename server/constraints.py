@@ -173,13 +173,18 @@ def after_thought(spec: "ConstraintSpec", open_id: int, close_id: int,
 
 
 def _thought_first(spec: "ConstraintSpec", open_id: int, close_id: int, opened: bool) -> str:
-    top = json.loads(spec.grammar)
+    # (llguidance gives a TopLevelGrammar's JSON for schemas and regexes, the Lark text itself
+    # for Lark grammars: choices, tool calls, a request's own)
+    g = spec.grammar
+    top = json.loads(g) if g.lstrip().startswith("{") else {"grammars": [{"lark_grammar": g}]}
     grammars = top["grammars"]
     answer = grammars[0].setdefault("name", "kvserve_answer")
-    thought = f"THOUGHT <[{close_id}]> /[\\r\\n ]*/"
+    # the thought: any text but the close tag's (which the reply splits at), then the tag
+    # token and at most two newlines (Qwen3's), then the answer
+    thought = f"THOUGHT <[{close_id}]> /(\\r?\\n){{0,2}}/"
     start = f"start: {thought} @{answer}" if opened else \
         f"start: thought? @{answer}\nthought: <[{open_id}]> {thought}"
-    lark = start + "\nTHOUGHT: /(.|\\n)*/\n"
+    lark = start + "\nTHOUGHT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n"
     return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *grammars]})
 
 

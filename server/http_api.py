@@ -226,6 +226,7 @@ class OpenAIApi:
             return
         added = self._added()
         if OPEN_TAG in added and CLOSE_TAG in added:
+            self._guides().constraint(parsed.spec)  # (its own checks: a first token, ...)
             parsed.spec = after_thought(parsed.spec, added[OPEN_TAG], added[CLOSE_TAG],
                                         parsed.reasoning_open)
         else:

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 
 from chat_helpers import TOKEN  # noqa: E402
 from kvserve_testing import running_app  # noqa: E402
-from test_tools_http import MSGS, TOOLS, _streamed  # noqa: E402
+from test_tools_http import MSGS, TOOLS, _streamed, _valid  # noqa: E402
 
 THOUGHT_THEN_ANSWER = "<think>\n[a-z]{3,10}\n</think>\n\n[a-z]{2,8}"
 
@@ -196,3 +196,26 @@ def test_with_think_tokens_a_constraint_applies_after_the_thought(thinker, opene
     # (the random model answers at once or opens a thought it does not close in 48 tokens;
     # a thought closed and then answered: tests/structured/test_constraints.py)
     assert seen == ({"cut off thinking"} if opened else {"answer", "cut off thinking"}), seen
+
+
+def test_with_think_tokens_a_forced_call_comes_after_the_thought(thinker):
+    """A forced tool call on the think-token model: the reply is a thought and/or the call,
+    parsed from the answer; a constraint with no first token is still refused (400)."""
+    kw = dict(messages=MSGS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=160)
+    kinds = set()
+    for seed in range(4):
+        choice = _create(thinker, temperature=1.0, seed=seed, **kw).choices[0]
+        if choice.finish_reason == "tool_calls":
+            _valid(choice.message.tool_calls[0])
+            kinds.add("call")
+        else:  # cut off: thinking, or in the call after the thought
+            m = choice.message
+            assert choice.finish_reason == "length" and m.reasoning_content is not None
+            assert m.content is None or m.content.startswith("<tool_call>\n{"), m
+            kinds.add("cut off thinking" if m.content is None else "cut off in the call")
+    assert "cut off in the call" in kinds or "call" in kinds, kinds  # (an answer after one)
+    with pytest.raises(openai.BadRequestError, match="no first token"):
+        _create(thinker, messages=MSGS, max_tokens=8, extra_body={
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "r", "schema": {"$ref": "#"}}}})

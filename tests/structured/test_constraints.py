@@ -273,31 +273,80 @@ def test_components_import_neither_torch_nor_transformers():
     assert r.returncode == 0, r.stderr[-500:]
 
 
-@pytest.mark.parametrize("opened, text, allowed", [
-    (False, '<think>\nhmm\n</think>\n\n{"a":1}', True),  # a thought, then the answer
-    (False, '{"a":2}', True),  # no thought
-    (False, 'hmm</think>\n{"a":3}', False),  # a thought not opened
-    (False, '<think>x</think>y', False),  # the answer still constrained
-    (True, 'hmm</think>\n{"a":3}', True),  # the prompt opened it: the reply closes it
-    (True, '<think>\nhmm\n</think>\n\n{"a":1}', False),  # (not opened again)
+def _answers(tok):
+    """(spec, a valid answer's text) of each kind kvserve builds: schema, object, regex,
+    choice, a request's own Lark (with ``%json``), and a forced Hermes tool call (its markers
+    Qwen3's added tokens)."""
+    from kvserve.server.tool_calls import Tool, ToolFormat, added_token_ids, tool_constraint
+
+    tool = Tool("f", {"type": "object", "properties": {"x": {"type": "integer"}},
+                      "required": ["x"]}, {})
+    call = tool_constraint([tool], "required", ToolFormat.HERMES, False,
+                           added_token_ids(tok.to_str()))
+    return {"json_schema": (ConstraintSpec.json_schema(
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+                '{"a":1}'),
+            "json_object": (ConstraintSpec.json_object(), '{"b":2}'),
+            "regex": (ConstraintSpec.regex("[a-z]{2,4}!"), "abc!"),
+            "choice": (ConstraintSpec.choice(["yes", "no"]), "no"),
+            "grammar": (ConstraintSpec.lark('start: "n=" %json {"type": "integer"}'), "n=5"),
+            "tool call": (call, '<tool_call>\n{"name":"f","arguments":{"x":3}}\n</tool_call>')}
+
+
+KINDS_AFTER = ("json_schema", "json_object", "regex", "choice", "grammar", "tool call")
+
+
+@pytest.mark.parametrize("kind", KINDS_AFTER)
+@pytest.mark.parametrize("opened, shape, allowed", [
+    (False, "<think>\nhmm\n</think>\n\n{A}", True),  # a thought, then the answer
+    (False, "{A}", True),  # no thought
+    (False, "hmm</think>\n{A}", False),  # a thought not opened
+    (False, "<think>x</think>zz{A}", False),  # the answer still constrained
+    (False, "<think>x</think>\n\n\n{A}", False),  # at most two newlines between
+    (True, "hmm</think>\n{A}", True),  # the prompt opened it: the reply closes it
+    (True, "{A}", "open"),  # (still the thought: the reply must close it to answer)
+    (True, "<think>\nhmm\n</think>\n\n{A}", False),  # (not opened again)
 ])
-def test_a_constraint_after_a_thought(qwen3_dir, qwen3_guide, opened, text, allowed):
+def test_a_constraint_after_a_thought(qwen3_dir, qwen3_guide, kind, opened, shape, allowed):
     """``after_thought`` (``--reasoning-parser think``): Qwen3's ``<think>`` / ``</think>``
-    tokens around free text, then the JSON schema's output; a complete reply accepted."""
+    tokens around free text, then what each kind of constraint allows; a complete reply
+    accepted and ended by the end token; the end token refused inside the thought."""
     from tokenizers import Tokenizer
 
     from kvserve.server.constraints import after_thought
 
     tok = Tokenizer.from_file(str(qwen3_dir / "tokenizer.json"))
     o, c = tok.token_to_id("<think>"), tok.token_to_id("</think>")
-    spec = after_thought(ConstraintSpec.json_schema(
-        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
-        o, c, opened)
-    con = qwen3_guide.constraint(spec)
-    ids = tok.encode(text, add_special_tokens=False).ids
+    spec, answer = _answers(tok)[kind]
+    if allowed == "open" and kind == "tool call":
+        allowed = False  # (its <tool_call> token: no text, so not in a thought)
+    con = qwen3_guide.constraint(after_thought(spec, o, c, opened))
+    ids = tok.encode(shape.replace("{A}", answer), add_special_tokens=False).ids
     if not allowed:
         with pytest.raises(ConstraintViolation):
             con.consume_tokens(ids)
         return
-    con.consume_tokens(ids)
-    assert con.accepting
+    thought = ids[:ids.index(c)] if c in ids else ids if allowed == "open" else []
+    end = tok.token_to_id("<|im_end|>")
+    con.consume_tokens(thought)
+    assert not con.allowed()[end] or not thought  # (no end inside the thought)
+    con.consume_tokens(ids[len(thought):])
+    assert con.accepting is (allowed is True)
+    assert bool(con.allowed()[end]) is (allowed is True)
+
+
+def test_the_close_tag_as_text_does_not_end_a_thought(qwen3_dir, qwen3_guide):
+    """``</think>`` written in pieces of text is refused inside the thought (the reply's
+    split would cut there, outside the constraint)."""
+    from tokenizers import Tokenizer
+
+    from kvserve.server.constraints import after_thought
+
+    tok = Tokenizer.from_file(str(qwen3_dir / "tokenizer.json"))
+    spec = after_thought(ConstraintSpec.choice(["yes", "no"]), tok.token_to_id("<think>"),
+                         tok.token_to_id("</think>"), False)
+    con = qwen3_guide.constraint(spec)
+    pieces = [tok.token_to_id("<think>")] + [t for piece in ("a", "</", "think>")
+                                            for t in tok.encode(piece).ids]
+    with pytest.raises(ConstraintViolation):
+        con.consume_tokens(pieces)
