@@ -166,8 +166,9 @@ def after_thought(spec: "ConstraintSpec", open_id: int, close_id: int,
                   opened: bool) -> "ConstraintSpec":
     """``spec`` applied after a thought (``server.reasoning``): an optional ``<think> ...
     </think>`` first (``opened``: the prompt opened it, so the reply starts inside it and
-    must close it), free text inside, newlines or spaces after it, then what ``spec``
-    constrains. The tags are the tokenizer's added tokens ``open_id`` and ``close_id``."""
+    must close it), free text inside (not the text ``</think>``), up to two newlines after
+    it, then what ``spec`` constrains. The tags are the tokenizer's added tokens ``open_id``
+    and ``close_id`` (``<think>`` and ``</think>``)."""
     return ConstraintSpec(THOUGHT_FIRST, (spec, int(open_id), int(close_id), bool(opened)),
                           spec.field)
 
