@@ -19,12 +19,12 @@ quotes them).
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from kvserve.bench.common import fp32_sizes_main, server_speedups
+from kvserve.bench.score_shared import timed_score
 
 REQUESTS, WARM, HEADER = 96, 40, 150
 WAYS = ("always", "adaptive", "never")
@@ -53,14 +53,9 @@ def _policy(way: str):
 def _requests(engine, seqs) -> tuple[float, int]:
     """(milliseconds a request, prompt tokens taken from the cache) of a request a
     sequence."""
-    from kvserve.server.domain import ScoreRequest
-
     hits0 = engine.metrics.cached_tokens
-    t0 = time.perf_counter()
-    for s in seqs:
-        _, fut = engine.submit_score(ScoreRequest(sequences=[s]))
-        fut.result()
-    return 1000 * (time.perf_counter() - t0) / len(seqs), engine.metrics.cached_tokens - hits0
+    ms, _ = timed_score(engine, seqs, one_each=True)
+    return ms / len(seqs), engine.metrics.cached_tokens - hits0
 
 
 def measure(artifact: Path, rounds: int, threads: int) -> dict:

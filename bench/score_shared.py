@@ -74,7 +74,7 @@ CELLS = {"choices": _choices, "few-shot": _few_shot, "long context": _long,
          "few-shot, a request each": _one_each}
 
 
-def _score(engine, seqs, one_each: bool = False) -> tuple[float, list]:
+def timed_score(engine, seqs, one_each: bool = False) -> tuple[float, list]:
     """(milliseconds, results) of one Score request of ``seqs`` (``one_each``: a request a
     sequence, one after the other, as lm-evaluation-harness's batch size 1 sends them)."""
     from kvserve.server.domain import ScoreRequest
@@ -95,7 +95,7 @@ def measure(artifact: Path, rounds: int, threads: int) -> dict:
     assert engine.score_shares, "the engine shares no rows with this artifact"
     out = {"chunk_tokens": engine.chunk_tokens}
     try:
-        _score(engine, _choices(np.random.default_rng(99), V))  # warm-up
+        timed_score(engine, _choices(np.random.default_rng(99), V))  # warm-up
         for name, make in CELLS.items():
             ms: dict[str, list] = {w: [] for w in WAYS}
             diff = 0.0
@@ -104,7 +104,7 @@ def measure(artifact: Path, rounds: int, threads: int) -> dict:
                 got = {}
                 for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
                     engine.score_shares = way == WAYS[0]
-                    t, got[way] = _score(engine, seqs, make is _one_each)
+                    t, got[way] = timed_score(engine, seqs, make is _one_each)
                     ms[way].append(t)
                 diff = max(diff, max(float(np.abs(a.logprobs - b.logprobs).max())
                                      for a, b in zip(*got.values())))
