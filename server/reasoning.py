@@ -41,26 +41,30 @@ NL = "\r\n"  # the newlines around a thought and before the answer: the format's
 
 
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a finished reply."""
-    head = text.lstrip()
-    if head.startswith(OPEN):
-        text = head[len(OPEN):]
-    elif not opened:
-        return None, text
-    thought, closed, answer = text.partition(CLOSE)
-    return thought.strip(NL), answer.lstrip(NL) if closed else ""
+    """(reasoning or None, content) of a finished reply: ``ReasoningStream``'s pieces of the
+    whole text, joined (one rule, streamed or not)."""
+    stream = ReasoningStream(opened)
+    parts = {"reasoning": "", "content": ""}
+    for kind, piece in stream.push(text) + stream.finish():
+        parts[kind] += piece
+    return (parts["reasoning"] if stream.thinks else None), parts["content"]
 
 
 class ReasoningStream:
-    """Streamed text in, ``("reasoning" | "content", text)`` pieces out: what
-    ``split_reasoning`` makes of the whole, sent as soon as it is known (a tag split across
-    tokens, and newlines that may turn out to be the format's, are held until they are)."""
+    """Streamed text in, ``("reasoning" | "content", text)`` pieces out, each sent as soon as
+    it is known (a tag split across tokens, and newlines that may turn out to be the format's,
+    are held until they are)."""
 
     def __init__(self, opened: bool = False):
         self._opened = opened
         self._state = "start"
         self._buf = ""
         self._fresh = True  # nothing of the current part sent yet (its leading newlines drop)
+
+    @property
+    def thinks(self) -> bool:
+        """The reply has begun a thought (an empty one too)."""
+        return self._state in ("thought", "answer")
 
     def push(self, text: str) -> list[tuple[str, str]]:
         self._buf += text
