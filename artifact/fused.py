@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 
 from .base import CAPACITY_CHUNK, ArtifactRunner
-from . import gqa_compat
+from . import gqa_compat, native_attention
 from .device_kv import DeviceKV, KVOps
 from .gqa_compat import gqa_takes_query_seqlens
 from .providers import bound_run, device_of, input_homes
@@ -172,8 +173,20 @@ class FusedLM(ArtifactRunner):
     def __init__(self, artifact_dir: str | Path, provider: str = "auto",
                  threads: int | None = None, attention: bool = True, spin: bool = True,
                  tf32: bool = False, options: ort.SessionOptions | None = None,
-                 attention_copy: bool = False, padding_counted: bool | None = None):
+                 attention_copy: bool = False, padding_counted: bool | None = None,
+                 attention_kernel: str = "auto"):
         super().__init__(artifact_dir, provider, threads, spin, tf32, options, attention_copy)
+        # the CPU attention kernel: kvserve's own where it is built and takes the graph's
+        # attention ("auto"), or onnxruntime's GroupQueryAttention (``native_attention``);
+        # what the main graph runs, in words: ``attention_kernel``
+        if attention_kernel not in native_attention.MODES:
+            raise ValueError(f"attention_kernel {attention_kernel!r}: one of "
+                             f"{', '.join(native_attention.MODES)}")
+        self._kernel_mode = attention_kernel
+        self.attention_kernel = ""
+        # every attention node of the main graph on the native kernel, whose arithmetic for a
+        # query is the same in calls of any shape (``server.rounding`` then checks the rest)
+        self.row_invariant_attention = False
         runtime = self.runtime = self.manifest["runtime"]
         # an onnxruntime whose GroupQueryAttention lacks ``query_seqlens`` (before 1.32): the
         # graphs are loaded without it and a call's padding counted as tokens (``gqa_compat``;
@@ -209,8 +222,25 @@ class FusedLM(ArtifactRunner):
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
         options = self.options if role == "main" else self.diagnostics_options
+        model, changed = None, 0
+        if self._kernel_mode != "onnxruntime" and self.device == "cpu":
+            model = onnx.load(str(path), load_external_data=False)
+            kernel, changed = native_attention.prepare(model, options, self.providers,
+                                                       self._kernel_mode)
+            if role == "main":
+                self.attention_kernel = kernel
+                self.row_invariant_attention = changed > 0 and not any(
+                    n.op_type == native_attention.GQA for n in model.graph.node)
+        elif role == "main":
+            self.attention_kernel = native_attention.ONNXRUNTIME
         if self.padding_counted:
-            sess = gqa_compat.session(path, options, self.providers)
+            model = model or onnx.load(str(path), load_external_data=False)
+            changed += gqa_compat.without_query_seqlens(model)
+        if changed:  # (rewritten in memory; its weights read from the artifact's directory)
+            options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(path.parent))
+            sess = ort.InferenceSession(model.SerializeToString(), options,
+                                        providers=self.providers)
         else:
             sess = ort.InferenceSession(str(path), options, providers=self.providers)
         self._homes[role != "main"] = homes = input_homes(sess, self.device)

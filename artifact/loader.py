@@ -19,10 +19,11 @@ def artifact_kind(artifact_dir: str | Path) -> str:
 
 def load_lm(artifact_dir: str | Path, **kw) -> FusedLM | PortableLM:
     """FusedLM or PortableLM for ``artifact_dir``; keywords as theirs (provider, threads,
-    attention, spin, tf32, options, attention_copy)."""
+    attention, spin, tf32, options, attention_copy; attention_kernel: fused only)."""
     kind = artifact_kind(artifact_dir)
     if kind == FUSED:
         return FusedLM(artifact_dir, **kw)
-    if kind == PORTABLE:
+    if kind == PORTABLE:  # (standard ops: no attention kernel to choose)
+        kw.pop("attention_kernel", None)
         return PortableLM(artifact_dir, **kw)
     raise ValueError(f"unknown artifact kind {kind!r}")

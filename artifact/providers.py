@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Callable
 
 import onnxruntime as ort
+
+from .native_build import cpu_flags
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -131,13 +132,3 @@ def check_optimized_for(manifest: dict, providers: list) -> None:
         raise RuntimeError("artifact was offline-optimised for another machine: "
                            + "; ".join(problems) + ". Re-export without --optimize or on "
                            "this machine.")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()

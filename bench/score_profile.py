@@ -131,14 +131,18 @@ def explained(split: dict, prof: dict, gflops: float, flops_per_token: float, to
             "ceiling_matmul_at_roofline": ideal / (wall - t_mm + mm_ideal)}
 
 
+# attention's nodes: onnxruntime's op, or kvserve's own CPU kernel (artifact.native_attention)
+ATTENTION_OPS = ("GroupQueryAttention", "KVAttention")
+
+
 def attention_gflops(prof: dict, n_layers: int, d_model: int, tokens: int, scored: int
                      ) -> dict | None:
-    """GroupQueryAttention's GFLOP/s in a profiled pass of ``scored`` tokens (sequences of
+    """Attention's GFLOP/s in a profiled pass of ``scored`` tokens (sequences of
     ``tokens``): on the causal FLOPs the roofline counts (QK and PV over (tokens + 1) / 2
     positions on average), and on what onnxruntime's CPU kernel multiplies (every query row
     against all ``tokens`` keys, the upper triangle zeroed after the product: 2 T / (T + 1)
     times as many)."""
-    us = prof["ops"].get("GroupQueryAttention", {}).get("us")
+    us = sum(prof["ops"].get(op, {}).get("us", 0) for op in ATTENTION_OPS)
     if not us:
         return None
     causal = 4.0 * n_layers * d_model * (tokens + 1) / 2 * scored
@@ -342,7 +346,7 @@ def render(res: dict) -> str:
     for size, r in res["sizes"].items():
         x, e = r["best"], r["best"]["explained"]
         mm = x["op_shares"].get("MatMul", 0.0)
-        gqa = x["op_shares"].get("GroupQueryAttention", 0.0)
+        gqa = sum(x["op_shares"].get(op, 0.0) for op in ATTENTION_OPS)
         alone = x["matmul_vs_same_shapes"]
         lines.append(
             f"| {size} | {x['tok_s']:,.0f} | {x['roofline_tok_s']:,.0f} | {x['fraction']:.2f} "
@@ -354,7 +358,7 @@ def render(res: dict) -> str:
     each = res["sizes"].items()
     lines += ["", "Other ops (share of the graph's node time): " + "; ".join(
         f"{size}: " + ", ".join(f"{op} {v:.1%}" for op, v in r["best"]["op_shares"].items()
-                                if op not in ("MatMul", "GroupQueryAttention") and v >= 0.001)
+                                if op not in ("MatMul", *ATTENTION_OPS) and v >= 0.001)
         for size, r in each) + ".", "",
         "Fraction = in onnxruntime × MatMul share of the graph × MatMul ÷ roofline GFLOP/s "
         "(timed) × (roofline FLOPs ÷ MatMul FLOPs): " + "; ".join(

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from kvserve.artifact.providers import cpu_flags
+from kvserve.artifact.native_build import cpu_flags
 from kvserve.model.sampling import log_softmax
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                      "--portable: standard-ops prefill/decode graphs) with a "
                                      "parity gate and a manifest"),
     "verify": ("kvserve.artifact.verify", "check an artifact directory against its manifest"),
+    "native": ("kvserve.artifact.native_cli", "build kvserve's native CPU attention kernel "
+                                              "(or say which one serving would use: status)"),
     "sign": ("kvserve.artifact.signing", "sign an artifact's manifest (Ed25519), or make a key "
                                          "pair"),
     "serve": ("kvserve.server.main", "serve an artifact directory over gRPC (and the "

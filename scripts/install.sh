@@ -19,11 +19,18 @@ import kvserve, kvserve.v1.inference_pb2  # noqa: F401
 sys.exit(pathlib.Path(kvserve.__file__).resolve().parents[1] != pathlib.Path(sys.argv[1]).resolve())
 PY
 }
+native() {  # the native CPU attention library for this source and CPU (the build makes it;
+  # a checkout changed since, or a build without the headers: now). Without it serving uses
+  # onnxruntime's kernel; the tests then check that path.
+  "$PY" -m kvserve.cli native status >/dev/null 2>&1 || "$PY" -m kvserve.cli native build ||
+    echo "== the native attention library could not be built: onnxruntime's kernel is used"
+}
 PREFIX=$("$PY" -c 'import sys; print(sys.prefix)')
 if [ "${KVSERVE_REINSTALL:-0}" != 1 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
     && installed && command -v kvserve >/dev/null; then
   echo "== kvserve is installed and current in $PREFIX (pyproject.toml, setup.py and protos/"
   echo "   unchanged since the last install): skipping it (KVSERVE_REINSTALL=1 forces it)"
+  native
   exit 0
 fi
 TORCH=$(sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml | head -1)
@@ -32,4 +39,5 @@ echo "   ($TORCH CPU, onnxruntime, onnx, grpcio, aiohttp, ...: a minute or two t
 "$PY" -m pip install -q -e ".[train,test]"
 mkdir -p build
 echo "$want" > "$STAMP"
+native
 echo "== installed kvserve $("$PY" -c 'import kvserve; print(kvserve.__version__)')"

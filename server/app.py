@@ -100,7 +100,8 @@ class App:
             self.lm = load_lm(self.dir, provider=self.cfg.provider,
                               threads=self.cfg.threads or None, spin=self.cfg.spin,
                               tf32=self.cfg.tf32, attention=self.cfg.attention,
-                              attention_copy=self.cfg.attention_copy)
+                              attention_copy=self.cfg.attention_copy,
+                              attention_kernel=self.cfg.attention_kernel)
             # verified: tokenizer.json is either listed in the manifest and intact, or absent
             tok_path = self.dir / TOKENIZER
             self.tokenizer = Tokenizer.from_file(tok_path) if tok_path.is_file() else None
@@ -147,9 +148,10 @@ class App:
         self.state.info["model_info"] = model_info(self.lm, self.limits, sha, eos, __version__,
                                                    eos_ids=self.eos_ids,
                                                    chat=template is not None)
-        log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention %s",
-                 self.dir, time.monotonic() - t0, mcfg.n_layers, mcfg.vocab_size,
-                 self.lm.provider, self.lm.has_attention)
+        log.info("loaded %s in %.1fs: %d layers, vocab %d, provider %s, attention "
+                 "diagnostics %s, attention kernel: %s", self.dir, time.monotonic() - t0,
+                 mcfg.n_layers, mcfg.vocab_size, self.lm.provider, self.lm.has_attention,
+                 getattr(self.lm, "attention_kernel", "") or "standard ops (portable)")
         precision = self.lm.manifest.get("precision", "fp32")
         if precision == "fp16" and self.lm.provider == "CPUExecutionProvider":
             log.warning("%s is an fp16 artifact, made for the CUDA provider; on the CPU provider "

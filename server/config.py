@@ -196,6 +196,14 @@ class ServerConfig:
                                        "~3x faster, for the weights' size in memory (off: it "
                                        "reads them from the memory-mapped artifact; int4 / "
                                        "int8-block artifacts always take the copy)")
+    attention_kernel: str = _opt("auto", "the CPU attention kernel of fused artifacts: "
+                                         "kvserve's own (native/attention.cc, built at install "
+                                         "or by `kvserve native build`; checked against "
+                                         "onnxruntime's at load) where it is built and takes "
+                                         "the graph's attention, else onnxruntime's "
+                                         "GroupQueryAttention (auto); native: refuse to start "
+                                         "without it; onnxruntime: always onnxruntime's",
+                                 choices=("auto", "native", "onnxruntime"))
     verify: bool = _opt(True, "verify the artifact against its manifest before loading (off: "
                               "no sha256 or onnx.checker; paths, sizes, schema and the config "
                               "against the graphs are still checked)")

@@ -42,12 +42,17 @@ def artifacts(tmp_path_factory, main_model) -> dict:
             for kind in ("fused", "portable")}
 
 
-@pytest.fixture(scope="package", params=["fused", "fused-padding-counted", "portable"])
+@pytest.fixture(scope="package", params=["fused", "fused-onnxruntime",
+                                         "fused-padding-counted", "portable"])
 def lm(request, artifacts):
-    """``fused-padding-counted``: the fused graph as an onnxruntime without
-    GroupQueryAttention's ``query_seqlens`` runs it (before 1.32: ``artifact.gqa_compat``)."""
+    """``fused``: kvserve's native attention kernel where it is built
+    (``artifact.native_attention``); ``fused-onnxruntime``: onnxruntime's GroupQueryAttention;
+    ``fused-padding-counted``: the fused graph as an onnxruntime without GroupQueryAttention's
+    ``query_seqlens`` runs it (before 1.32: ``artifact.gqa_compat``)."""
     if request.param == "portable":
         return PortableLM(artifacts["portable"], provider="cpu", threads=THREADS,
                           attention=False)
     return FusedLM(artifacts["fused"], provider="cpu", threads=THREADS, attention=False,
-                   padding_counted=request.param == "fused-padding-counted")
+                   padding_counted=request.param == "fused-padding-counted",
+                   attention_kernel="onnxruntime" if request.param == "fused-onnxruntime"
+                   else "auto")

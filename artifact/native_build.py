@@ -1,0 +1,174 @@
+"""Builds kvserve's native attention library (``native/attention.cc``) on the machine that
+runs it, and finds it again.
+
+The library is a shared object that onnxruntime loads (``register_custom_ops_library``); it
+is compiled against onnxruntime's C/C++ API headers, which the onnxruntime wheel does not
+ship. ``headers`` takes them from ``KVSERVE_ORT_INCLUDE`` (a directory holding
+``onnxruntime_cxx_api.h``), else from Debian's ``libonnxruntime-dev`` package (1.21: API
+version 21, which every later onnxruntime serves), downloaded once and checked against its
+SHA-256 before it is unpacked. The API is versioned: a library built against the 1.21 headers
+asks onnxruntime for version 21 and runs on any release since.
+
+Where it lives: in the package (``native/lib``, put there by the package's build,
+``setup.py``, when a compiler and the headers can be had), else in ``$KVSERVE_NATIVE_DIR``
+(default ``~/.cache/kvserve/native``: ``kvserve native build``, or a build on first use when
+the headers are already at hand; never a download at serve time); one directory per source
+digest and compiler flags, with a stamp saying what it was built from and for. A library
+built with AVX2/FMA is used only on a CPU that has them. This module needs nothing beyond the
+standard library (``setup.py`` runs it before anything is installed).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+NATIVE = Path(__file__).resolve().parent / "native"
+SOURCE = NATIVE / "attention.cc"
+PACKAGED = NATIVE / "lib"  # where the package's own build puts it (setup.py)
+LIB = "libkvs_attention.so"
+DEB_URL = ("https://deb.debian.org/debian/pool/main/o/onnxruntime/"
+           "libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb")
+DEB_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
+HEADER = "onnxruntime_cxx_api.h"
+VECTOR_FLAGS = ("avx2", "fma")  # built with -mavx2 -mfma where the building CPU has both
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSERVE_NATIVE_DIR")
+                or Path.home() / ".cache" / "kvserve" / "native")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _vector_flags() -> list[str]:
+    return list(VECTOR_FLAGS) if set(VECTOR_FLAGS) <= cpu_flags() else []
+
+
+def _key(flags: list[str]) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(flags).encode())
+    return h.hexdigest()[:16]
+
+
+def _ar_member(data: bytes, prefix: str) -> tuple[str, bytes]:
+    """The first member of a Unix ``ar`` archive (a .deb) whose name starts with ``prefix``."""
+    if not data.startswith(b"!<arch>\n"):
+        raise ValueError("not an ar archive")
+    pos = 8
+    while pos + 60 <= len(data):
+        name = data[pos:pos + 16].decode().strip().rstrip("/")
+        size = int(data[pos + 48:pos + 58].decode().strip())
+        if name.startswith(prefix):
+            return name, data[pos + 60:pos + 60 + size]
+        pos += 60 + size + (size % 2)
+    raise ValueError(f"no {prefix}* in the archive")
+
+
+def headers(download: bool = True) -> Path | None:
+    """A directory holding onnxruntime's API headers: ``KVSERVE_ORT_INCLUDE``, the cached
+    copy, or (``download``) Debian's package fetched and checked now. None when none."""
+    env = os.environ.get("KVSERVE_ORT_INCLUDE")
+    if env:
+        return Path(env) if (Path(env) / HEADER).is_file() else None
+    home = cache_dir() / "ort-headers-1.21"
+    if (home / HEADER).is_file():
+        return home
+    if not download:
+        return None
+    with urllib.request.urlopen(DEB_URL, timeout=60) as r:  # noqa: S310 (a fixed https URL)
+        deb = r.read()
+    if hashlib.sha256(deb).hexdigest() != DEB_SHA256:
+        raise RuntimeError(f"{DEB_URL}: SHA-256 differs from the pinned one; not unpacked")
+    _, data = _ar_member(deb, "data.tar")
+    tmp = Path(tempfile.mkdtemp(dir=home.parent if home.parent.exists() else None))
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for m in tar.getmembers():
+                parts = Path(m.name).parts
+                if m.isfile() and "include" in parts and m.name.endswith(".h"):
+                    rel = Path(*parts[parts.index("onnxruntime", parts.index("include")) + 1:])
+                    out = tmp / rel
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_bytes(tar.extractfile(m).read())
+        home.parent.mkdir(parents=True, exist_ok=True)
+        if not (home / HEADER).is_file():
+            os.replace(tmp, home)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return home
+
+
+def build(out_dir: Path | None = None, download: bool = True) -> Path:
+    """Compiles the library (if this source and these flags were not built yet) and returns
+    its path. Raises with the reason when it cannot."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    inc = headers(download)
+    if inc is None:
+        raise RuntimeError("no onnxruntime headers (set KVSERVE_ORT_INCLUDE)")
+    flags = _vector_flags()
+    home = (out_dir or cache_dir()) / _key(flags)
+    lib = home / LIB
+    if lib.is_file() and _stamp_ok(home):
+        return lib
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = home / f".{LIB}.{os.getpid()}"
+    # -ffp-contract=off: no product and sum fused but where the source says so (fmadd), so
+    # the same arithmetic at every place a query's scores are taken rounds the same
+    cmd = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
+           *[f"-m{f}" for f in flags], f"-I{inc}", str(SOURCE), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+    os.replace(tmp, lib)
+    (home / "stamp.json").write_text(json.dumps({"source": _key([]), "flags": flags,
+                                                 "compiler": cxx}, indent=1))
+    for old in home.parent.iterdir():  # (builds of other sources: stale)
+        if old != home and (old / "stamp.json").is_file() and not _stamp_ok(old):
+            shutil.rmtree(old, ignore_errors=True)
+    return lib
+
+
+def _stamp_ok(home: Path) -> bool:
+    try:
+        stamp = json.loads((home / "stamp.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp.get("source") == _key([]) and set(stamp.get("flags", [])) <= cpu_flags()
+
+
+def library() -> tuple[str | None, str]:
+    """(path, "") of a library built from this source for this CPU (the package's own, else
+    the cache's), building it now when a compiler and cached headers are at hand; (None,
+    why) otherwise."""
+    key = _key(_vector_flags())
+    for home in (PACKAGED / key, cache_dir() / key):
+        if (home / LIB).is_file() and _stamp_ok(home):
+            return str(home / LIB), ""
+    try:
+        return str(build(download=False)), ""
+    except (RuntimeError, OSError) as e:
+        return None, f"the native attention library is not built ({str(e).splitlines()[0]}; " \
+                     f"run `kvserve native build`)"
