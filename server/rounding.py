@@ -27,6 +27,12 @@ picks is its CPU's and onnxruntime's business, so the engine does not go by a ta
 ``rows_differ`` computes the same rows through those calls once at startup, and the features
 are exact where they agree bit for bit.
 
+kvserve's native CPU attention kernel (``artifact.native_attention``) computes a query's
+attention the same in calls of any shape (its arithmetic depends on the query's position, its
+window and fixed key tiles alone), so a graph whose every attention runs on it needs no pairing:
+the same startup check decides (on the bench machine, 2026-12-04: fp32 and int8 in blocks of 64
+bit for bit; int4 in blocks of 64 not, its one-row matmul again).
+
 So on the other artifacts the engine runs none of the features that change the calls (the
 prefix cache, speculation, constraint fast-forward) and feeds a resumed stream's delivered
 tokens one step each, as the earlier call did (``server.resume``), unless
@@ -54,18 +60,19 @@ def shape_sensitive(lm) -> str:
     precision = manifest.get("precision", "fp32")
     if precision in EXACT_PRECISIONS:
         return ""
-    if manifest.get("runtime", {}).get("paired_attention") and \
+    paired = manifest.get("runtime", {}).get("paired_attention")
+    if (paired or getattr(lm, "row_invariant_attention", False)) and \
             getattr(lm, "supports_verify", False):
+        what = "its paired graph" if paired else "its graph (on the native attention kernel)"
         try:
             worst = rows_differ(lm)
         except Exception as e:  # (a check must not keep the server from starting)
-            log.warning("the startup check of the paired graph's rows failed: %s", e)
+            log.warning("the startup check of %s's rows failed: %s", what, e)
             worst = float("nan")
         if worst == 0.0:
             return ""
-        return (f"{precision} artifact: its paired graph computes a row differently in calls "
-                f"of other shapes on this machine (by {worst:.1e} of the logits, checked at "
-                f"startup)")
+        return (f"{precision} artifact: {what} computes a row differently in calls of other "
+                f"shapes on this machine (by {worst:.1e} of the logits, checked at startup)")
     size = "~7e-4" if precision == "fp16" else "~1e-2"
     return (f"{precision} artifact: a row computed in calls of other shapes differs by up to "
             f"{size} of the logits (onnxruntime's kernels by shape, magnified by "

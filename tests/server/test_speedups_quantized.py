@@ -6,11 +6,16 @@ GroupQueryAttention's multi-token path), a token's logits are the same bit for b
 call, so the prefix cache, speculation and constraint fast-forward are on by default and
 exact: outputs and logits identical with each feature on and off.
 
-Exported as by default (unpaired), rows depend on the shape of the call that computes them: by
-default the engine runs none of the features that change the calls there, and a resumed stream
-feeds its delivered tokens one step each: its continued logits are the uninterrupted ones. Why:
-rows made by decode steps and a prompt prefilled in two calls move later logits by more than
-1e-3 / 1e-4 (found by reviews: with the cache, 2-10 of 40 greedy chat turns differed)."""
+Exported as by default (unpaired) and run on onnxruntime's GroupQueryAttention, rows depend on
+the shape of the call that computes them: by default the engine runs none of the features that
+change the calls there, and a resumed stream feeds its delivered tokens one step each: its
+continued logits are the uninterrupted ones. Why: rows made by decode steps and a prompt
+prefilled in two calls move later logits by more than 1e-3 / 1e-4 (found by reviews: with the
+cache, 2-10 of 40 greedy chat turns differed).
+
+Unpaired on kvserve's native attention kernel (``artifact.native_attention``: a query's
+arithmetic the same in calls of any shape), these two exports compute a row alike in every call
+too: the features are on by default and exact, as on a paired graph."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +31,7 @@ QUANT = {"int8": {}, "int4": {"int4_block": 32}}
 
 
 def _export(root, precision: str, attention: bool = False, n_heads: int = 8,
-            n_kv_heads: int = 4, paired: bool = False, **blocks):
+            n_kv_heads: int = 4, paired: bool = False, kernel: str = "auto", **blocks):
     """The d256 model (the review's: seed 1235; its int4 export shows the split) exported."""
     torch = pytest.importorskip("torch")
     from export_matrix import BASE, CONFIGS, TEXTS
@@ -45,31 +50,51 @@ def _export(root, precision: str, attention: bool = False, n_heads: int = 8,
                            tokenizer_json=train_bpe(TEXTS, vocab_size=BASE["vocab_size"]).to_str())
     art = export_artifacts(ckpt, root / "a", precision=precision, attention=attention,
                            progress=False, threads=1, paired=paired, **blocks)
-    return load_lm(art, provider="cpu", threads=1, attention=attention)
+    return load_lm(art, provider="cpu", threads=1, attention=attention,
+                   attention_kernel=kernel)
 
 
 _EXPORTS: dict = {}
 
 
-def _quant(factory, precision: str, paired: bool):
-    """int8 / int4 exported paired or not (the default), once per module."""
-    key = (precision, paired)
+def _quant(factory, precision: str, paired: bool, kernel: str = "onnxruntime"):
+    """int8 / int4 exported paired or not (the default), once per module, run on ``kernel``."""
+    key = (precision, paired, kernel)
     if key not in _EXPORTS:
         root = factory.mktemp(f"{'paired' if paired else 'quant'}_{precision}")
-        _EXPORTS[key] = _export(root, precision, paired=paired, **QUANT[precision])
+        _EXPORTS[key] = _export(root, precision, paired=paired, kernel=kernel,
+                                **QUANT[precision])
     return _EXPORTS[key]
 
 
 @pytest.fixture(scope="module", params=sorted(QUANT))
 def qlm(request, tmp_path_factory):
-    """Exported as by default, unpaired: rows depend on the call's shape."""
+    """Exported as by default, unpaired, on onnxruntime's attention: rows depend on the call's
+    shape."""
     return _quant(tmp_path_factory, request.param, False)
 
 
-@pytest.fixture(scope="module", params=sorted(QUANT))
+def _native_or_skip() -> None:
+    from kvserve.artifact import native_build
+
+    lib, why = native_build.library()
+    if lib is None:
+        import os
+
+        if os.environ.get("CI"):
+            pytest.fail(f"the native attention library is not built on CI: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module", params=[(q, p) for q in sorted(QUANT) for p in (True, False)],
+                ids=lambda k: f"{k[0]}-{'paired' if k[1] else 'native'}")
 def plm(request, tmp_path_factory):
-    """Exported with --paired-attention."""
-    return _quant(tmp_path_factory, request.param, True)
+    """Exported with --paired-attention (on onnxruntime's attention), or unpaired on the native
+    attention kernel: a row computed alike in every call either way."""
+    q, paired = request.param
+    if not paired:
+        _native_or_skip()
+    return _quant(tmp_path_factory, q, paired, "onnxruntime" if paired else "native")
 
 
 @pytest.fixture(scope="module", params=[(q, p) for q in sorted(QUANT) for p in (False, True)],
@@ -272,14 +297,15 @@ def test_a_prompt_prefilled_in_two_calls_is_not_one_prefill(qlm):
         assert worst > 1e-4
 
 
-# --- paired graphs (--paired-attention): exact, the features on -----------------------------
+# --- paired graphs (--paired-attention), or the native kernel: exact, the features on ---------
 def test_a_paired_graph_computes_a_row_alike_in_every_call(plm):
     """The startup probe finds every call's rows bit for bit alike, and so do longer runs:
     P prefilled, G fed one token a step, N in one call, against one prefill of it all; a
     prompt in two calls (cut at 16 or 32) against one (unpaired: beyond 1e-3 / 1e-4, below)."""
     from kvserve.server.rounding import rows_differ, shape_sensitive
 
-    assert plm.manifest["runtime"]["paired_attention"] is True
+    assert plm.manifest["runtime"].get("paired_attention") is True or \
+        plm.row_invariant_attention
     assert rows_differ(plm) == 0.0 and shape_sensitive(plm) == ""
     V, g = plm.cfg.vocab_size, np.random.default_rng(0)
     for _ in range(4):
