@@ -1,19 +1,23 @@
-"""What attention costs in a decode step (a script): onnxruntime's GroupQueryAttention against the
-rest of kvserve's step, at batch 1, by position and precision.
+"""What attention costs in a decode step (a script): onnxruntime's GroupQueryAttention and
+kvserve's native kernel (``artifact.native_attention``) against the rest of kvserve's step, at
+batch 1, by position and precision.
 
     python bench/attention_cost.py [--size bench-100m] [--precisions fp32 int8 int4]
                                    [--positions 16 128 512 1000] [--rounds 7] [--threads 2]
+                                   [--prefill-rounds 3]
                                    [--update-committed | --out FILE.json] [--render-only]
 
-Each artifact's graph runs twice in one process: as exported, and with every
-GroupQueryAttention replaced by a slice of its query (the layer's output shape; no attention, no
-cache write, no rotary). Both take the same one-token step at batch 1 through IO bindings, with
-the runner's session options (``artifact.providers.session_options``), the two alternating
-round by round; a cell is the median over rounds of each round's median step, attention's cost
-the median of the rounds' differences. Beside it, the cache rows attention reads (K and V of
+Each artifact's graph runs three times in one process: as exported (onnxruntime's op), with its
+attention on kvserve's native kernel (the runner's rewrite; where the library is built), and
+with every GroupQueryAttention replaced by a slice of its query (the layer's output shape; no
+attention, no cache write, no rotary). All take the same one-token step at batch 1 through IO
+bindings, with the runner's session options (``artifact.providers.session_options``), in turn
+round by round; a cell is the median over rounds of each round's median step, an attention's
+cost the median of the rounds' differences. Beside it, the cache rows attention reads (K and V of
 every layer up to the position) and the time those would take at the rate the step without
 attention read the weights (the weights' bytes over its step): attention's floor, were it
-bound by memory as the matrix products are.
+bound by memory as the matrix products are. Then (``--prefill-rounds``) prefill calls of one
+prompt on the runner with either kernel: from an empty cache, and a chunk after a past.
 
 Results: ``attention-cost.json`` and ``.md`` (``--update-committed``: ``bench/results/``;
 docs/speed.md quotes them).
@@ -130,6 +134,7 @@ def measure(artifact: Path, positions: list[int], rounds: int, threads: int) -> 
     import onnx
     import onnxruntime as ort
 
+    from kvserve.artifact import native_attention
     from kvserve.artifact.providers import session_options
     from kvserve.artifact.spec import fused_spec_from
 
@@ -138,13 +143,21 @@ def measure(artifact: Path, positions: list[int], rounds: int, threads: int) -> 
     cfg = ModelConfig.load(artifact / "config.json")
     model = onnx.load(str(artifact / "model.onnx"))
     weights = sum(f.stat().st_size for f in artifact.glob("model.onnx*"))
-    sessions = {
-        "step": ort.InferenceSession(model.SerializeToString(), session_options(threads),
-                                     providers=["CPUExecutionProvider"]),
-        "without_attention": ort.InferenceSession(
-            without_attention(model, cfg.head_dim).SerializeToString(), session_options(threads),
-            providers=["CPUExecutionProvider"])}
-    del model
+
+    def session(m, options=None):
+        return ort.InferenceSession(m.SerializeToString(), options or session_options(threads),
+                                    providers=["CPUExecutionProvider"])
+
+    sessions = {"step": session(model),
+                "without_attention": session(without_attention(model, cfg.head_dim))}
+    native = copy.deepcopy(model)
+    options = session_options(threads)
+    kernel, changed = native_attention.prepare(native, options, ["CPUExecutionProvider"])
+    if changed:
+        sessions["native"] = session(native, options)
+    else:
+        print(f"no native kernel: {kernel}", flush=True)
+    del model, native
     capacity = max(positions) + 8
     manifest = json.loads((artifact / "manifest.json").read_text())
     spare = int(fused_spec_from(manifest["runtime"], False).paired)
@@ -157,43 +170,122 @@ def measure(artifact: Path, positions: list[int], rounds: int, threads: int) -> 
                 steps[k].at(p)
                 times[p][k].append(steps[k].median_ms())
     per_layer_kv = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # K and V, float32, a row
-    out = {"layers": cfg.n_layers, "weights_mb": weights / 2**20, "positions": {}}
+    out = {"layers": cfg.n_layers, "weights_mb": weights / 2**20, "kernel": kernel,
+           "positions": {}}
     for p in positions:
-        full, bare = (np.array(times[p][k]) for k in steps)
+        t = {k: np.array(v) for k, v in times[p].items()}
+        full, bare = t["step"], t["without_attention"]
         rate = weights / (float(np.median(bare)) / 1e3)  # bytes/s the step without attention
         # read the weights at
         kv = per_layer_kv * cfg.n_layers * (p + 1)
         attention = float(np.median(full - bare))  # paired: each round's difference
-        out["positions"][str(p)] = {
+        cell = {
             "step_ms": float(np.median(full)), "without_attention_ms": float(np.median(bare)),
             "attention_ms": attention, "share": float(np.median((full - bare) / full)),
             "per_layer_us": 1e3 * attention / cfg.n_layers,
             "cache_mb": kv / 2**20, "floor_ms": 1e3 * kv / rate,
             "rounds": {k: times[p][k] for k in steps}}
+        if "native" in t:
+            nat = t["native"]
+            cell.update({"native_step_ms": float(np.median(nat)),
+                         "native_attention_ms": float(np.median(nat - bare)),
+                         "native_share": float(np.median((nat - bare) / nat)),
+                         "step_speedup": float(np.median(full / nat))})
+        out["positions"][str(p)] = cell
     return out
 
 
+PREFILLS = ((0, 512), (0, 1000), (0, 2000), (1000, 64), (1500, 256))  # (rows before, new)
+
+
+def measure_prefill(artifact: Path, rounds: int, threads: int, calls=PREFILLS) -> dict | None:
+    """One prompt's prefill call at batch 1 (after a past of its own first tokens where the
+    first number is not 0), on the runner with each kernel, in turn round by round: each
+    kernel's median ms and the median of the rounds' ratios. None without the native kernel."""
+    from kvserve.artifact.fused import FusedLM
+
+    lms = {k: FusedLM(artifact, provider="cpu", threads=threads, attention=False,
+                      attention_kernel=k) for k in ("onnxruntime", "auto")}
+    if not lms["auto"].row_invariant_attention:
+        return None
+    cfg = lms["auto"].cfg
+    kvs = {k: lm.new_cache(1, cfg.max_seq_len) for k, lm in lms.items()}
+    g = np.random.default_rng(0)
+    cells = {}
+    for past, n in calls:
+        if past + n > cfg.max_seq_len:
+            continue
+        ids = g.integers(0, cfg.vocab_size, past + n).tolist()
+        t: dict[str, list[float]] = {k: [] for k in lms}
+        for r in range(rounds):
+            for k in (list(lms) if r % 2 == 0 else list(lms)[::-1]):
+                lm, kv = lms[k], kvs[k]
+                kv.used[:] = 0
+                if past:
+                    lm.prefill(kv, 0, [ids[:past]], last=True)
+                t0 = time.perf_counter()
+                lm.prefill(kv, 0, [ids[past:]], last=True)
+                t[k].append(1e3 * (time.perf_counter() - t0))
+        a, b = np.array(t["onnxruntime"]), np.array(t["auto"])
+        cells[f"{past}+{n}"] = {"past": past, "new": n, "onnxruntime_ms": float(np.median(a)),
+                                "native_ms": float(np.median(b)),
+                                "ratio": float(np.median(b / a)), "rounds": t}
+    return cells
+
+
 def render(data: dict) -> str:
+    native = any("native_attention_ms" in c for a in data["precisions"].values()
+                 for c in a["positions"].values())
     out = ["## What attention costs a decode step", "",
            f"`bench/attention_cost.py` on {data['size']} ({data['cpu']}, onnxruntime "
            f"{data['onnxruntime']}, {data['threads']} threads, {data['date']}): batch 1, one "
-           f"token a step, the exported graph against the same graph with every "
-           f"GroupQueryAttention replaced by a slice of its query; medians over "
-           f"{data['rounds']} alternating rounds of each round's median of {STEPS} steps "
-           f"(attention: of the rounds' differences).", "",
-           "| precision | position | step ms | without attention ms | attention ms (share) | "
-           "a layer µs | cache read MB | at the weights' rate ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           f"token a step, the exported graph (onnxruntime's GroupQueryAttention)"
+           + (", the same graph on kvserve's native attention kernel" if native else "")
+           + f" and the graph with every attention replaced by a slice of its query; medians "
+           f"over {data['rounds']} rounds (the graphs in turn) of each round's median of "
+           f"{STEPS} steps (attention: of the rounds' differences).", ""]
+    head = ("| precision | position | step ms | without attention ms | onnxruntime's attention "
+            "ms (share) | a layer µs |")
+    rule = "|---|---:|---:|---:|---:|---:|"
+    if native:
+        head += " kvserve's attention ms (share) | a layer µs | step, onnxruntime ÷ kvserve |"
+        rule += "---:|---:|---:|"
+    out += [head + " cache read MB | at the weights' rate ms |", rule + "---:|---:|"]
     for prec, a in data["precisions"].items():
+        layers = a["layers"]
         for p, c in a["positions"].items():
-            out.append(f"| {prec} | {p} | {c['step_ms']:.2f} | {c['without_attention_ms']:.2f} "
-                       f"| {c['attention_ms']:.2f} ({100 * c['share']:.0f}%) | "
-                       f"{c['per_layer_us']:.0f} | {c['cache_mb']:.1f} | {c['floor_ms']:.3f} |")
+            row = (f"| {prec} | {p} | {c['step_ms']:.2f} | {c['without_attention_ms']:.2f} "
+                   f"| {c['attention_ms']:.2f} ({100 * c['share']:.0f}%) | "
+                   f"{c['per_layer_us']:.0f} |")
+            if native:
+                row += (f" {c['native_attention_ms']:.2f} ({100 * c['native_share']:.0f}%) | "
+                        f"{1e3 * c['native_attention_ms'] / layers:.0f} | "
+                        f"{c['step_speedup']:.2f}× |" if "native_attention_ms" in c
+                        else " – | – | – |")
+            out.append(row + f" {c['cache_mb']:.1f} | {c['floor_ms']:.3f} |")
+    prefill = {p: a["prefill"] for p, a in data["precisions"].items() if a.get("prefill")}
+    if prefill:
+        out += ["", f"Prefill calls, batch 1 (one prompt; \"64 after 1000\": a chunk after "
+                    f"a past, as the prefix cache and chunked prefill make them), the runner "
+                    f"with each kernel, medians over {data.get('prefill_rounds', '?')} rounds "
+                    f"in turn:", "",
+                "| precision | call | onnxruntime's ms | kvserve's ms | kvserve ÷ onnxruntime |",
+                "|---|---|---:|---:|---:|"]
+        for prec, cells in prefill.items():
+            for c in cells.values():
+                call = f"{c['new']} after {c['past']}" if c["past"] else f"{c['new']} tokens"
+                out.append(f"| {prec} | {call} | {c['onnxruntime_ms']:,.0f} | "
+                           f"{c['native_ms']:,.0f} | {c['ratio']:.2f}× |")
     out += ["", "The last column is the cache rows' bytes at the rate the step without attention "
                 "read the weights (the same round): what attention would take were it bound by "
-                "memory as the matrix products are. The rest of attention's time is "
-                "onnxruntime's CPU kernel itself (per head, small GEMMs with their own "
-                "packing, the softmax, the rotary embedding; two parallel sections a layer)."]
+                "memory as the matrix products are. onnxruntime's CPU kernel: per head, small "
+                "GEMMs with their own packing, the softmax, the rotary embedding; two parallel "
+                "sections a layer. kvserve's (artifact/native/attention.cc): one parallel "
+                "section a layer (none for a short decode step); each task's key and value "
+                "rows in tiles of 32, read once for every query head of its group; eight "
+                "keys' scores at a time; a query's arithmetic the same in a call of any "
+                "shape (onnxruntime's multi-token path is a packed GEMM, faster on long "
+                "prompts)."]
     return "\n".join(out) + "\n"
 
 
@@ -206,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--positions", nargs="+", type=int, default=[16, 128, 512, 1000])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-rounds", type=int, default=3,
+                    help="rounds of the prefill calls (0: none)")
     parsed = parse_results_args(ap, argv, "attention-cost.json", render)
     if parsed is None:
         return 0
@@ -213,12 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     built = build(args.size, Path(args.cache), genai=False, int8="int8" in args.precisions,
                   int4="int4" in args.precisions)
     data = {**run_header(size=args.size, rounds=args.rounds, threads=args.threads),
-            "precisions": {}}
+            "prefill_rounds": args.prefill_rounds, "precisions": {}}
     for prec in args.precisions:
         art = getattr(built, prec)
         data["precisions"][prec] = {
             "quantization": json.loads((art / "manifest.json").read_text()).get("quantization"),
             **measure(art, args.positions, args.rounds, args.threads)}
+        if args.prefill_rounds:
+            data["precisions"][prec]["prefill"] = measure_prefill(art, args.prefill_rounds,
+                                                                  args.threads)
         print(f"{prec}: done", flush=True)
     write_results(out, data, render)
     return 0

@@ -504,9 +504,20 @@ def test_attention_cost_times_the_graph_with_and_without_attention(tiny_ckpt, tm
         assert c["step_ms"] > 0 and c["without_attention_ms"] > 0 and c["floor_ms"] > 0
         assert c["cache_mb"] * 2**20 == 2 * cfg.n_kv_heads * cfg.head_dim * 4 * \
             cfg.n_layers * (int(p) + 1)
+    from kvserve.artifact import native_build
+
+    native = native_build.library()[0] is not None
+    if native:  # (the third graph: the same on kvserve's kernel)
+        assert res["kernel"].startswith("kvserve native attention")
+        assert all(c["native_step_ms"] > 0 and c["step_speedup"] > 0
+                   for c in res["positions"].values())
+        res["prefill"] = ac.measure_prefill(art, 1, 1, calls=((0, 20), (10, 5)))
+        assert set(res["prefill"]) == {"0+20", "10+5"}
+        assert all(c["native_ms"] > 0 and c["ratio"] > 0 for c in res["prefill"].values())
     md = ac.render({"size": "tiny", "rounds": 2, "threads": 1, "cpu": "x", "onnxruntime": "y",
-                    "date": "z", "precisions": {"fp32": res}})
-    assert md.count("| fp32 |") == 2
+                    "date": "z", "prefill_rounds": 1, "precisions": {"fp32": res}})
+    assert md.count("| fp32 |") == 2 + 2 * native
+    assert ("kvserve's attention ms" in md) == native
 
 
 def test_long_prompt_measures_both_ways(tiny_artifact, monkeypatch):
