@@ -223,10 +223,14 @@ class FusedLM(ArtifactRunner):
         path = self.dir / self.runtime["graphs"][role]
         options = self.options if role == "main" else self.diagnostics_options
         model, changed = None, 0
+        if self._kernel_mode == "native" and self.device != "cpu":
+            raise RuntimeError(f"attention kernel 'native' asked for, but it runs on the CPU "
+                               f"provider only (this is {self.device})")
         if self._kernel_mode != "onnxruntime" and self.device == "cpu":
             model = onnx.load(str(path), load_external_data=False)
-            kernel, changed = native_attention.prepare(model, options, self.providers,
-                                                       self._kernel_mode)
+            # (the attention-diagnostics graph returns the weights: onnxruntime's op, always)
+            mode = self._kernel_mode if role == "main" else "auto"
+            kernel, changed = native_attention.prepare(model, options, self.providers, mode)
             if role == "main":
                 self.attention_kernel = kernel
                 self.row_invariant_attention = changed > 0 and not any(

@@ -14,17 +14,16 @@ mask keeps a valid row from seeing the padding after it) and overwritten by the 
 call, as the padding of a verification already was. The slot's row count then advances by the
 valid tokens alone. A decode step (one token a row) is the same call either way.
 
-``session`` loads the artifact's graph with that input taken off every GroupQueryAttention
-node (the graph file itself and its manifest hash are untouched: the file is verified, then
-rewritten in memory), its weights read from the artifact's directory.
+``FusedLM`` loads the artifact's graph with that input taken off every GroupQueryAttention
+node (``without_query_seqlens``; the graph file itself and its manifest hash are untouched:
+the file is verified, then rewritten in memory), its weights read from the artifact's
+directory.
 """
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 
 GQA = "GroupQueryAttention"
 QUERY_SEQLENS_INDEX = 16  # the op's input ``query_seqlens``
@@ -54,16 +53,3 @@ def without_query_seqlens(model: onnx.ModelProto) -> int:
             node.input.extend(kept)
             changed += 1
     return changed
-
-
-def session(path: Path, options: ort.SessionOptions, providers: list
-            ) -> ort.InferenceSession:
-    """A session of the graph at ``path`` without ``query_seqlens``: the graph rewritten in
-    memory, its external weights read from the graph's directory (an entry added to
-    ``options``, which onnxruntime reads only for sessions made from memory; the Python API
-    cannot copy a SessionOptions)."""
-    model = onnx.load(str(path), load_external_data=False)
-    without_query_seqlens(model)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                     str(Path(path).parent))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=providers)

@@ -1,6 +1,6 @@
 """kvserve's own CPU attention kernel in place of onnxruntime's GroupQueryAttention.
 
-onnxruntime's CPU GroupQueryAttention costs a batch-1 decode step 6-9x what reading its cache
+onnxruntime's CPU GroupQueryAttention costs a batch-1 decode step 5-9x what reading its cache
 rows would (bench/results/attention-cost.md: small GEMMs per head with their own packing, two
 parallel sections a layer). ``native/attention.cc`` is one onnxruntime custom op
 (``ai.kvserve.KVAttention``) for the subset of the op the fused graph uses: packed q/k/v,
@@ -17,8 +17,9 @@ the op, ``check`` runs both ops on random calls with each distinct attribute set
 session keeps onnxruntime's op and says why (``status``).
 
 The library is built from source on the machine that runs it (``native_build``); without a
-compiler, the headers, or a CPU with the flags it was built for, the graph keeps
-onnxruntime's op. ``KVSERVE_ATTENTION=onnxruntime`` forces that.
+compiler, the headers, a CPU with the flags it was built for, or an onnxruntime of 1.32 or
+later, the graph keeps onnxruntime's op; so does ``kvserve serve --attention-kernel
+onnxruntime``. The same library holds ``native_swiglu``'s op, which ``prepare`` applies too.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from .gqa_compat import gqa_takes_query_seqlens
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +188,8 @@ def check(library: str, s: dict, providers: list) -> float:
     """Both ops on the same random calls with attribute set ``s``: the largest difference of
     the outputs and the written cache rows, relative to the outputs' largest magnitude."""
     rng = np.random.default_rng(20261204)
-    capacity = 200
+    # (past the window, where there is one: the calls' last positions reach capacity - 1)
+    capacity = max(200, s["window"] + 100)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.intra_op_num_threads = 2
@@ -242,7 +246,7 @@ def prepare(model: onnx.ModelProto, options: ort.SessionOptions, providers: list
     onnxruntime's op), registering the library with ``options``. Returns what the session
     will run, in words (for the log and tests), and how many nodes changed. ``mode``
     "native" raises where "auto" keeps onnxruntime's op."""
-    from . import native_build
+    from . import native_build, native_swiglu
 
     if mode not in MODES:
         raise ValueError(f"attention kernel {mode!r}: one of {', '.join(MODES)}")
@@ -257,23 +261,44 @@ def prepare(model: onnx.ModelProto, options: ort.SessionOptions, providers: list
     first = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if first != "CPUExecutionProvider":
         return keep(f"provider {first}")
+    if not gqa_takes_query_seqlens():  # (the check's reference and the op's contract)
+        return keep(f"onnxruntime {ort.__version__}: its GroupQueryAttention has no "
+                    f"query_seqlens (1.32 or later)")
     library, why = native_build.library()
     if library is None:
         return keep(why)
     for s in attribute_sets(model):
-        err = _checked(library, tuple(s.values()))
+        try:
+            err = _checked(library, tuple(s.values()))
+        except Exception as e:  # (a library this onnxruntime cannot load, ...)
+            err, detail = float("nan"), f" ({str(e).splitlines()[0][:200]})"
+        else:
+            detail = ""
         if not err <= TOLERANCE:
-            msg = f"the native op differs from onnxruntime's by {err:.1e} (over {TOLERANCE})"
+            msg = f"the native op differs from onnxruntime's by {err:.1e} (over " \
+                  f"{TOLERANCE}){detail}"
             log.warning("attention: %s; using onnxruntime's", msg)
             return keep(msg)
     n = rewrite(model)
     if not n:
         return keep("no node the native op takes")
+    extra = ""
+    try:
+        swiglu = native_swiglu.check(library)
+    except Exception as e:  # (attention passed its check: the library loads; still)
+        swiglu, extra = float("nan"), f" ({str(e).splitlines()[0][:200]})"
+    if swiglu <= native_swiglu.TOLERANCE:
+        m = native_swiglu.rewrite(model)
+        extra = f", SwiGLU ({m})" if m else ""
+    else:
+        log.warning("SwiGLU: the native op differs from onnxruntime's ops by %.1e%s; keeping "
+                    "theirs", swiglu, extra)
+        extra = ""
     if options not in _registered:  # (once per options object: a second registration of
         # the same domain fails the session)
         options.register_custom_ops_library(library)
         _registered.add(options)
-    return f"kvserve native attention ({n} of the graph's attention nodes)", n
+    return f"kvserve native attention ({n} of the graph's attention nodes){extra}", n
 
 
 _registered: "weakref.WeakSet[ort.SessionOptions]" = weakref.WeakSet()

@@ -1,5 +1,5 @@
-"""Builds kvserve's native attention library (``native/attention.cc``) on the machine that
-runs it, and finds it again.
+"""Builds kvserve's native library (``native/*.cc``: the attention and SwiGLU ops) on the
+machine that runs it, and finds it again.
 
 The library is a shared object that onnxruntime loads (``register_custom_ops_library``); it
 is compiled against onnxruntime's C/C++ API headers, which the onnxruntime wheel does not
@@ -13,9 +13,12 @@ Where it lives: in the package (``native/lib``, put there by the package's build
 ``setup.py``, when a compiler and the headers can be had), else in ``$KVSERVE_NATIVE_DIR``
 (default ``~/.cache/kvserve/native``: ``kvserve native build``, or a build on first use when
 the headers are already at hand; never a download at serve time); one directory per source
-digest and compiler flags, with a stamp saying what it was built from and for. A library
-built with AVX2/FMA is used only on a CPU that has them. This module needs nothing beyond the
-standard library (``setup.py`` runs it before anything is installed).
+digest, compiler options and machine, with a stamp saying what it was built from and for and
+the library's SHA-256. A library is loaded only where its stamp matches (the sources, the
+machine, CPU flags this CPU has: AVX2/FMA where the building CPU had them) and only this user
+or root can have written it (the directories, the stamp, the library: as ssh asks of keys).
+This module needs nothing beyond the standard library (``setup.py`` runs it before anything
+is installed).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tarfile
@@ -31,7 +35,6 @@ import urllib.request
 from pathlib import Path
 
 NATIVE = Path(__file__).resolve().parent / "native"
-SOURCE = NATIVE / "attention.cc"
 PACKAGED = NATIVE / "lib"  # where the package's own build puts it (setup.py)
 LIB = "libkvs_attention.so"
 DEB_URL = ("https://deb.debian.org/debian/pool/main/o/onnxruntime/"
@@ -65,9 +68,23 @@ def _vector_flags() -> list[str]:
     return list(VECTOR_FLAGS) if set(VECTOR_FLAGS) <= cpu_flags() else []
 
 
+def sources() -> list[Path]:
+    """The library's C++ sources and headers (``native/``), in a fixed order."""
+    return sorted([*NATIVE.glob("*.cc"), *NATIVE.glob("*.h")])
+
+
+# the compiler's options beside the vector flags (-ffp-contract=off: no product and sum fused
+# but where the source says so, so the same arithmetic at every place a query's scores are
+# taken rounds the same)
+OPTIONS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off")
+
+
 def _key(flags: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(flags).encode())
+    """What a build is made of: the sources, the options and vector flags, the machine."""
+    h = hashlib.sha256()
+    for path in sources():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(" ".join([*OPTIONS, *flags, platform.machine()]).encode())
     return h.hexdigest()[:16]
 
 
@@ -101,19 +118,23 @@ def headers(download: bool = True) -> Path | None:
     if hashlib.sha256(deb).hexdigest() != DEB_SHA256:
         raise RuntimeError(f"{DEB_URL}: SHA-256 differs from the pinned one; not unpacked")
     _, data = _ar_member(deb, "data.tar")
-    tmp = Path(tempfile.mkdtemp(dir=home.parent if home.parent.exists() else None))
+    home.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=home.parent))  # (the same file system: an atomic rename)
     try:
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for m in tar.getmembers():
                 parts = Path(m.name).parts
-                if m.isfile() and "include" in parts and m.name.endswith(".h"):
+                if m.isfile() and "include" in parts and m.name.endswith(".h") \
+                        and ".." not in parts:
                     rel = Path(*parts[parts.index("onnxruntime", parts.index("include")) + 1:])
                     out = tmp / rel
                     out.parent.mkdir(parents=True, exist_ok=True)
                     out.write_bytes(tar.extractfile(m).read())
-        home.parent.mkdir(parents=True, exist_ok=True)
-        if not (home / HEADER).is_file():
+        try:
             os.replace(tmp, home)
+        except OSError:  # (another process unpacked them first)
+            if not (home / HEADER).is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return home
@@ -134,29 +155,50 @@ def build(out_dir: Path | None = None, download: bool = True) -> Path:
     if lib.is_file() and _stamp_ok(home):
         return lib
     home.mkdir(parents=True, exist_ok=True)
-    tmp = home / f".{LIB}.{os.getpid()}"
-    # -ffp-contract=off: no product and sum fused but where the source says so (fmadd), so
-    # the same arithmetic at every place a query's scores are taken rounds the same
-    cmd = [cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-ffp-contract=off",
-           *[f"-m{f}" for f in flags], f"-I{inc}", str(SOURCE), "-o", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
-    os.replace(tmp, lib)
-    (home / "stamp.json").write_text(json.dumps({"source": _key([]), "flags": flags,
-                                                 "compiler": cxx}, indent=1))
-    for old in home.parent.iterdir():  # (builds of other sources: stale)
-        if old != home and (old / "stamp.json").is_file() and not _stamp_ok(old):
-            shutil.rmtree(old, ignore_errors=True)
+    for d in (home.parent, home):  # (writable by this user alone: _private)
+        if d.stat().st_uid == os.getuid():
+            d.chmod(d.stat().st_mode & ~0o022)
+    fd, name = tempfile.mkstemp(prefix=f".{LIB}.", dir=home)
+    os.close(fd)
+    tmp = Path(name)
+    cmd = [cxx, *OPTIONS, *[f"-m{f}" for f in flags], f"-I{inc}", f"-I{NATIVE}",
+           *[str(p) for p in sources() if p.suffix == ".cc"], "-o", str(tmp)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"compiling {NATIVE}/*.cc failed:\n{done.stderr[-2000:]}")
+        tmp.chmod(0o755)
+        stamp = home / "stamp.json"
+        stamp.write_text(json.dumps(
+            {"source": _key([]), "flags": flags, "machine": platform.machine(),
+             "compiler": cxx, "sha256": hashlib.sha256(tmp.read_bytes()).hexdigest()},
+            indent=1))
+        stamp.chmod(0o644)
+        os.replace(tmp, lib)
+    finally:
+        tmp.unlink(missing_ok=True)
     return lib
 
 
 def _stamp_ok(home: Path) -> bool:
+    """Whether the library in ``home`` was built from these sources for this machine, is the
+    file its build wrote, and only this user (or root) can have written it."""
     try:
         stamp = json.loads((home / "stamp.json").read_text())
-    except (OSError, ValueError):
+        lib = home / LIB
+        if not all(_private(p) for p in (home.parent, home, home / "stamp.json", lib)):
+            return False
+        digest = hashlib.sha256(lib.read_bytes()).hexdigest()
+    except (OSError, ValueError, AttributeError):
         return False
-    return stamp.get("source") == _key([]) and set(stamp.get("flags", [])) <= cpu_flags()
+    return stamp.get("source") == _key([]) and stamp.get("machine") == platform.machine() \
+        and set(stamp.get("flags", [])) <= cpu_flags() and stamp.get("sha256") == digest
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user or root, and writable by no one else (as ssh asks of its keys)."""
+    st = path.stat()
+    return st.st_uid in (os.getuid(), 0) and not st.st_mode & 0o022
 
 
 def library() -> tuple[str | None, str]:

@@ -150,14 +150,18 @@ def measure(artifact: Path, positions: list[int], rounds: int, threads: int) -> 
 
     sessions = {"step": session(model),
                 "without_attention": session(without_attention(model, cfg.head_dim))}
-    native = copy.deepcopy(model)
+    runner = copy.deepcopy(model)  # what the runner runs: attention and SwiGLU on the library
     options = session_options(threads)
-    kernel, changed = native_attention.prepare(native, options, ["CPUExecutionProvider"])
+    kernel, changed = native_attention.prepare(runner, options, ["CPUExecutionProvider"])
     if changed:
+        native = copy.deepcopy(model)  # attention alone on the library
+        native_attention.rewrite(native)
         sessions["native"] = session(native, options)
+        if "SwiGLU" in kernel:
+            sessions["native_swiglu"] = session(runner, options)
     else:
         print(f"no native kernel: {kernel}", flush=True)
-    del model, native
+    del model, runner
     capacity = max(positions) + 8
     manifest = json.loads((artifact / "manifest.json").read_text())
     spare = int(fused_spec_from(manifest["runtime"], False).paired)
@@ -191,6 +195,9 @@ def measure(artifact: Path, positions: list[int], rounds: int, threads: int) -> 
                          "native_attention_ms": float(np.median(nat - bare)),
                          "native_share": float(np.median((nat - bare) / nat)),
                          "step_speedup": float(np.median(full / nat))})
+        if "native_swiglu" in t:
+            cell.update({"swiglu_step_ms": float(np.median(t["native_swiglu"])),
+                         "swiglu_speedup": float(np.median(nat / t["native_swiglu"]))})
         out["positions"][str(p)] = cell
     return out
 
@@ -236,11 +243,14 @@ def measure_prefill(artifact: Path, rounds: int, threads: int, calls=PREFILLS) -
 def render(data: dict) -> str:
     native = any("native_attention_ms" in c for a in data["precisions"].values()
                  for c in a["positions"].values())
+    swiglu = any("swiglu_speedup" in c for a in data["precisions"].values()
+                 for c in a["positions"].values())
     out = ["## What attention costs a decode step", "",
            f"`bench/attention_cost.py` on {data['size']} ({data['cpu']}, onnxruntime "
            f"{data['onnxruntime']}, {data['threads']} threads, {data['date']}): batch 1, one "
            f"token a step, the exported graph (onnxruntime's GroupQueryAttention)"
            + (", the same graph on kvserve's native attention kernel" if native else "")
+           + (" and with kvserve's SwiGLU too (what the runner runs)" if swiglu else "")
            + f" and the graph with every attention replaced by a slice of its query; medians "
            f"over {data['rounds']} rounds (the graphs in turn) of each round's median of "
            f"{STEPS} steps (attention: of the rounds' differences).", ""]
@@ -250,6 +260,9 @@ def render(data: dict) -> str:
     if native:
         head += " kvserve's attention ms (share) | a layer µs | step, onnxruntime ÷ kvserve |"
         rule += "---:|---:|---:|"
+    if swiglu:
+        head += " step with kvserve's SwiGLU too | its gain |"
+        rule += "---:|---:|"
     out += [head + " cache read MB | at the weights' rate ms |", rule + "---:|---:|"]
     for prec, a in data["precisions"].items():
         layers = a["layers"]
@@ -262,6 +275,9 @@ def render(data: dict) -> str:
                         f"{1e3 * c['native_attention_ms'] / layers:.0f} | "
                         f"{c['step_speedup']:.2f}× |" if "native_attention_ms" in c
                         else " – | – | – |")
+            if swiglu:
+                row += (f" {c['swiglu_step_ms']:.2f} | {c['swiglu_speedup']:.2f}× |"
+                        if "swiglu_speedup" in c else " – | – |")
             out.append(row + f" {c['cache_mb']:.1f} | {c['floor_ms']:.3f} |")
     prefill = {p: a["prefill"] for p, a in data["precisions"].items() if a.get("prefill")}
     if prefill:

@@ -15,9 +15,8 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
-#include <immintrin.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,59 +24,18 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
+#include "vec.h"
+
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
+using namespace kvs;
+
 constexpr int kMaxGroup = 16;     // query heads per kv head handled together
+constexpr int64_t kMaxHead = 256;  // the largest head size (weighted<0>'s accumulators)
 constexpr int64_t kQueryBlock = 16;  // queries per task
 constexpr int64_t kKeyTile = 32;     // keys read once for all of a task's query heads
 constexpr int64_t kSerialWork = 1 << 14;  // below this many multiply-adds a call, no pool
-
-inline v8 load8(const float* p) {
-  v8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
-inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
-// a * b + c: one rounding where the CPU has FMA, else two; everywhere the same (the library is
-// compiled with -ffp-contract=off, so no other product and sum is fused behind our back)
-inline v8 fmadd(v8 a, v8 b, v8 c) {
-#ifdef __FMA__
-  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-  return a * b + c;
-#endif
-}
-// The sum of v's lanes in the order reduce8 takes for each of its vectors: ((0+1)+(2+3)) +
-// ((4+5)+(6+7)).
-inline float hsum(v8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-// exp on 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes's
-// coefficients), 2^n through the exponent bits. Relative error below 2e-7 on [-87, 88].
-inline v8 exp8(v8 x) {
-  const v8 hi = splat(88.3762626647949f), lo = splat(-87.3365478515625f);
-  x = x > hi ? hi : x;
-  x = x < lo ? lo : x;
-  v8 fx = x * splat(1.44269504088896341f);
-  const v8 magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const v8 t = fx + magic;
-  const v8 n = t - magic;
-  v8 r = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
-  v8 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.f);
-  typedef int32_t i8v __attribute__((vector_size(32)));
-  const i8v e = (((i8v)t - (i8v)magic) + 127) << 23;
-  const v8 scale = (v8)e;
-  return p * scale;
-}
 
 struct Attrs {
   int64_t heads = 0, kv_heads = 0, window = -1;
@@ -94,7 +52,8 @@ struct Call {
   float* out;      // (B, S, H, D)
   const int32_t* total;  // per row: T
   const int32_t* qlen;   // per row: Q
-  int64_t max_keys;      // the longest key range of any query (scratch size)
+  int64_t max_keys;      // the longest key range of any query (the work estimate)
+  std::atomic<bool> failed{false};  // a task could not get its scratch memory
 };
 
 // Lane i of the result: the sum of a[i]'s lanes (eight horizontal sums at once).
@@ -236,8 +195,7 @@ void attend(const Call& c, int64_t b, int64_t h, int64_t j0, int64_t j1) {
     }
 }
 
-void task(void* data, size_t index) {
-  const Call& c = *static_cast<const Call*>(data);
+void run_task(const Call& c, size_t index) {
   const int64_t blk = static_cast<int64_t>(index) % c.blocks;
   const int64_t rest = static_cast<int64_t>(index) / c.blocks;
   const int64_t h = rest % c.a.kv_heads, b = rest / c.a.kv_heads;
@@ -249,6 +207,16 @@ void task(void* data, size_t index) {
     default: return attend<0>(c, b, h, j0, j1);
   }
 }
+
+void task(void* data, size_t index) {
+  Call& c = *static_cast<Call*>(data);
+  try {
+    run_task(c, index);
+  } catch (...) {  // (not through onnxruntime's pool: std::terminate; Compute rethrows)
+    c.failed.store(true);
+  }
+}
+
 
 // Rotate-half RoPE of one head vector at position p (R = rotated pairs).
 inline void rotate(float* x, const float* cos, const float* sin, int64_t R) {
@@ -284,6 +252,12 @@ struct Kernel {
     const int64_t M = kshape[2], D = kshape[3];
     if (kshape[0] != B || kshape[1] != Hkv || qshape[2] != (H + 2 * Hkv) * D)
       throw std::runtime_error("kvserve attention: shapes do not agree");
+    if (D % 8 || D > kMaxHead)
+      throw std::runtime_error("kvserve attention: a head size not a multiple of 8 up to 256");
+    if (past_v.GetTensorTypeAndShapeInfo().GetShape() != kshape ||
+        seqlens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B) ||
+        qlens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B))
+      throw std::runtime_error("kvserve attention: counters or value cache of another shape");
     auto out = ctx.GetOutput(0, {B, S, H * D});
     auto pres_k = ctx.GetOutput(1, kshape), pres_v = ctx.GetOutput(2, kshape);
     float* k = pres_k.GetTensorMutableData<float>();
@@ -297,6 +271,9 @@ struct Kernel {
     const float *cos = nullptr, *sin = nullptr;
     if (rotary) {
       const auto cshape = cos_in.GetTensorTypeAndShapeInfo().GetShape();
+      if (static_cast<const OrtValue*>(sin_in) == nullptr || cshape.size() != 2 ||
+          sin_in.GetTensorTypeAndShapeInfo().GetShape() != cshape)
+        throw std::runtime_error("kvserve attention: cos and sin tables of one 2-D shape");
       table = cshape[0];
       R = cshape[1];
       if (2 * R > D) throw std::runtime_error("kvserve attention: rotary wider than a head");
@@ -306,9 +283,11 @@ struct Kernel {
     std::vector<int32_t> total(B), qn(B);
     int64_t max_keys = 1;
     for (int64_t b = 0; b < B; ++b) {
+      if (sk[b] < 0 || sk[b] >= M || ql[b] < 0 || ql[b] > S)
+        throw std::runtime_error("kvserve attention: a row's lengths do not fit its cache");
       total[b] = sk[b] + 1;
-      qn[b] = std::min<int32_t>(ql[b], static_cast<int32_t>(S));
-      if (qn[b] < 0 || total[b] < qn[b] || total[b] > M || (rotary && total[b] > table))
+      qn[b] = ql[b];
+      if (total[b] < qn[b] || (rotary && total[b] > table))
         throw std::runtime_error("kvserve attention: a row's lengths do not fit its cache");
       max_keys = std::max<int64_t>(max_keys, total[b]);
     }
@@ -335,7 +314,7 @@ struct Kernel {
       }
     }
     Call c{a, B, S, D, M, H / Hkv, (S + kQueryBlock - 1) / kQueryBlock, qbuf.data(), k, v,
-           out.GetTensorMutableData<float>(), total.data(), qn.data(), max_keys};
+           out.GetTensorMutableData<float>(), total.data(), qn.data(), max_keys, {false}};
     const size_t tasks = static_cast<size_t>(B * Hkv * c.blocks);
     int64_t work = 0;  // multiply-adds, about
     for (int64_t b = 0; b < B; ++b) work += qn[b] * std::min<int64_t>(total[b], max_keys);
@@ -344,6 +323,7 @@ struct Kernel {
       for (size_t i = 0; i < tasks; ++i) task(&c, i);
     else
       ctx.ParallelFor(task, tasks, 0, &c);
+    if (c.failed.load()) throw std::runtime_error("kvserve attention: out of memory");
   }
 };
 
@@ -383,22 +363,7 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
-RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // (cannot even make a status)
-  Ort::InitApi(api);
+const OrtCustomOp* kvs::attention_op() {
   static const Op op;
-  static std::vector<Ort::CustomOpDomain> domains;
-  static std::mutex lock;
-  try {
-    Ort::CustomOpDomain domain("ai.kvserve");
-    domain.Add(&op);
-    Ort::UnownedSessionOptions(options).Add(domain);
-    std::lock_guard<std::mutex> guard(lock);
-    domains.push_back(std::move(domain));
-  } catch (const std::exception& e) {
-    return api->CreateStatus(ORT_FAIL, e.what());
-  }
-  return nullptr;
+  return &op;
 }

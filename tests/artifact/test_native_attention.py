@@ -203,6 +203,38 @@ def test_a_library_built_for_another_cpu_is_not_used(library, tmp_path, monkeypa
     assert lib is None and "kvserve native build" in why
 
 
+def test_a_library_not_as_built_or_writable_by_others_is_not_used(library, tmp_path,
+                                                                     monkeypatch):
+    """The stamp's SHA-256 of the library, and no group or world write on the directories,
+    the stamp and the library (whoever could write them could run code in the server)."""
+    key = NB._key(NB._vector_flags())
+    home = tmp_path / key
+    shutil.copytree(os.path.dirname(library), home)
+    monkeypatch.setenv("KVSERVE_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(NB, "PACKAGED", tmp_path / "none")
+    monkeypatch.setenv("KVSERVE_ORT_INCLUDE", str(tmp_path / "no-headers"))
+    assert NB.library()[0] == str(home / NB.LIB)
+    for path in (home, home / NB.LIB, home / "stamp.json"):
+        mode = path.stat().st_mode
+        path.chmod(mode | 0o020)
+        assert NB.library()[0] is None, path
+        path.chmod(mode)
+    with open(home / NB.LIB, "ab") as f:
+        f.write(b"\0")
+    assert NB.library()[0] is None
+
+
+def test_native_asked_for_holds_for_the_main_graph_only(library, artifact):
+    """The attention-diagnostics graph returns the weights: onnxruntime's op there, and a
+    request for attention still runs under --attention-kernel native."""
+    lm = FusedLM(artifact.dir, provider="cpu", threads=1, attention=True,
+                 attention_kernel="native")
+    assert lm.has_attention and lm.attention_kernel.startswith("kvserve native attention")
+    kv = lm.new_cache(1)
+    out = lm.prefill(kv, 0, [[3, 4, 5, 6]], attention=True, last=True)
+    assert out.attention is not None and lm.attention_ready
+
+
 def test_the_cli_says_which_library(library):
     out = subprocess.run([sys.executable, "-m", "kvserve.cli", "native", "status"],
                          capture_output=True, text=True, timeout=60)

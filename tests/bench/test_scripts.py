@@ -510,7 +510,7 @@ def test_attention_cost_times_the_graph_with_and_without_attention(tiny_ckpt, tm
     if native:  # (the third graph: the same on kvserve's kernel)
         assert res["kernel"].startswith("kvserve native attention")
         assert all(c["native_step_ms"] > 0 and c["step_speedup"] > 0
-                   for c in res["positions"].values())
+                   and c["swiglu_speedup"] > 0 for c in res["positions"].values())
         res["prefill"] = ac.measure_prefill(art, 1, 1, calls=((0, 20), (10, 5)))
         assert set(res["prefill"]) == {"0+20", "10+5"}
         assert all(c["native_ms"] > 0 and c["ratio"] > 0 for c in res["prefill"].values())
@@ -518,6 +518,7 @@ def test_attention_cost_times_the_graph_with_and_without_attention(tiny_ckpt, tm
                     "date": "z", "prefill_rounds": 1, "precisions": {"fp32": res}})
     assert md.count("| fp32 |") == 2 + 2 * native
     assert ("kvserve's attention ms" in md) == native
+    assert ("kvserve's SwiGLU too" in md) == native
 
 
 def test_long_prompt_measures_both_ways(tiny_artifact, monkeypatch):
