@@ -24,7 +24,8 @@ def build_native() -> None:
         lib = native["build"](out_dir=native["PACKAGED"])
         print(f"kvserve: native attention library built: {lib}")
         for old in native["PACKAGED"].iterdir():  # (earlier sources' builds: not packaged)
-            if old.is_dir() and old != lib.parent:
+            if old.is_dir() and old != lib.parent and \
+                    "other sources" in native["stamp_problem"](old, False):
                 shutil.rmtree(old, ignore_errors=True)
     except Exception as e:  # (any failure: the package still installs, without it)
         print(f"kvserve: native attention library not built ({str(e).splitlines()[0]}); "

@@ -222,31 +222,25 @@ class FusedLM(ArtifactRunner):
     def _load(self, role: str) -> ort.InferenceSession:
         path = self.dir / self.runtime["graphs"][role]
         options = self.options if role == "main" else self.diagnostics_options
-        model, changed = None, 0
         if self._kernel_mode == "native" and self.device != "cpu":
             raise RuntimeError(f"attention kernel 'native' asked for, but it runs on the CPU "
                                f"provider only (this is {self.device})")
-        if self._kernel_mode != "onnxruntime" and self.device == "cpu":
-            model = onnx.load(str(path), load_external_data=False)
-            # (the attention-diagnostics graph returns the weights: onnxruntime's op, always)
+        if self.device != "cpu" or self._kernel_mode == "onnxruntime":
+            mode = "onnxruntime"
+        else:  # (the attention-diagnostics graph returns the weights: its op stays anyway)
             mode = self._kernel_mode if role == "main" else "auto"
-            kernel, changed = native_attention.prepare(model, options, self.providers, mode)
-            if role == "main":
-                self.attention_kernel = kernel
-                self.row_invariant_attention = changed > 0 and not any(
-                    n.op_type == native_attention.GQA for n in model.graph.node)
-        elif role == "main":
-            self.attention_kernel = native_attention.ONNXRUNTIME
-        if self.padding_counted:
-            model = model or onnx.load(str(path), load_external_data=False)
-            changed += gqa_compat.without_query_seqlens(model)
-        if changed:  # (rewritten in memory; its weights read from the artifact's directory)
-            options.add_session_config_entry(
-                "session.model_external_initializers_file_folder_path", str(path.parent))
-            sess = ort.InferenceSession(model.SerializeToString(), options,
-                                        providers=self.providers)
-        else:
-            sess = ort.InferenceSession(str(path), options, providers=self.providers)
+        try:
+            sess = self._open(path, options, role, mode)
+        except Exception as e:  # (onnxruntime refused the rewritten graph: its own op, then)
+            if mode != "auto" or role != "main" or \
+                    not self.attention_kernel.startswith("kvserve"):
+                raise
+            why = str(e).splitlines()[0][:300]
+            log.warning("the graph on kvserve's native ops did not load (%s); using "
+                        "onnxruntime's", why)
+            sess = self._open(path, options, role, "onnxruntime")
+            self.attention_kernel = f"{native_attention.ONNXRUNTIME} (the graph on kvserve's " \
+                                    f"ops did not load: {why})"
         self._homes[role != "main"] = homes = input_homes(sess, self.device)
         spec = self._specs[role != "main"]
         strays = sorted({home for i in range(self.cfg.n_layers) for k in ("key", "value")
@@ -261,6 +255,32 @@ class FusedLM(ArtifactRunner):
                 f"Export for this provider (on CUDA: --precision fp16, or --portable for "
                 f"fp32), or serve it on the CPU.")
         return sess
+
+    def _open(self, path: Path, options: ort.SessionOptions, role: str, mode: str
+              ) -> ort.InferenceSession:
+        """The session of the graph at ``path``: on kvserve's native ops where ``mode`` lets
+        them (``native_attention.prepare``), without ``query_seqlens`` on an onnxruntime
+        before 1.32 (``gqa_compat``); rewritten in memory, its weights read from the
+        artifact's directory, or the file itself where nothing changed."""
+        model, changed = None, 0
+        if mode != "onnxruntime":
+            model = onnx.load(str(path), load_external_data=False)
+            kernel, changed = native_attention.prepare(model, options, self.providers, mode)
+            if role == "main":
+                self.attention_kernel = kernel
+                self.row_invariant_attention = changed > 0 and not any(
+                    n.op_type == native_attention.GQA for n in model.graph.node)
+        elif role == "main":
+            self.attention_kernel = native_attention.ONNXRUNTIME
+            self.row_invariant_attention = False
+        if self.padding_counted:
+            model = model or onnx.load(str(path), load_external_data=False)
+            changed += gqa_compat.without_query_seqlens(model)
+        if not changed:
+            return ort.InferenceSession(str(path), options, providers=self.providers)
+        options.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                         str(path.parent))
+        return ort.InferenceSession(model.SerializeToString(), options, providers=self.providers)
 
     def homes(self, attention: bool) -> dict[str, str] | None:
         """Where the graph's session reads each input (``cpu`` or the device); None where

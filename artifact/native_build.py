@@ -180,19 +180,34 @@ def build(out_dir: Path | None = None, download: bool = True) -> Path:
     return lib
 
 
-def _stamp_ok(home: Path) -> bool:
-    """Whether the library in ``home`` was built from these sources for this machine, is the
-    file its build wrote, and only this user (or root) can have written it."""
+def stamp_problem(home: Path, private: bool) -> str:
+    """Why the library in ``home`` may not be loaded ("": it may): built from other sources,
+    for another machine or CPU flags this CPU lacks, not the file its build wrote, or
+    (``private``: the cache's, not the package's own) writable by another user."""
     try:
         stamp = json.loads((home / "stamp.json").read_text())
         lib = home / LIB
-        if not all(_private(p) for p in (home.parent, home, home / "stamp.json", lib)):
-            return False
-        digest = hashlib.sha256(lib.read_bytes()).hexdigest()
-    except (OSError, ValueError, AttributeError):
-        return False
-    return stamp.get("source") == _key([]) and stamp.get("machine") == platform.machine() \
-        and set(stamp.get("flags", [])) <= cpu_flags() and stamp.get("sha256") == digest
+        if not isinstance(stamp, dict) or not isinstance(stamp.get("flags", []), list):
+            return "its stamp is not one kvserve wrote"
+        if private:
+            loose = [str(p) for p in (home.parent, home, home / "stamp.json", lib)
+                     if not _private(p)]
+            if loose:
+                return f"{loose[0]} is writable by another user, or not owned by this user " \
+                       f"or root"
+        if stamp.get("source") != _key([]) or stamp.get("machine") != platform.machine():
+            return "it was built from other sources or for another machine"
+        if not set(stamp.get("flags", [])) <= cpu_flags():
+            return f"it was built for CPU flags this CPU lacks ({', '.join(stamp['flags'])})"
+        if stamp.get("sha256") != hashlib.sha256(lib.read_bytes()).hexdigest():
+            return "it is not the file its build wrote (SHA-256)"
+    except (OSError, ValueError, TypeError) as e:
+        return f"its stamp or library cannot be read ({e})"
+    return ""
+
+
+def _stamp_ok(home: Path) -> bool:
+    return not stamp_problem(home, private=home.parent != PACKAGED)
 
 
 def _private(path: Path) -> bool:
@@ -202,15 +217,25 @@ def _private(path: Path) -> bool:
 
 
 def library() -> tuple[str | None, str]:
-    """(path, "") of a library built from this source for this CPU (the package's own, else
-    the cache's), building it now when a compiler and cached headers are at hand; (None,
-    why) otherwise."""
+    """(path, "") of a library built from these sources for this machine: the package's own
+    (trusted as its Python files are), else the cache's (only where no other user can have
+    written it), building it into the cache now when a compiler and cached headers are at
+    hand; (None, why) otherwise."""
     key = _key(_vector_flags())
-    for home in (PACKAGED / key, cache_dir() / key):
-        if (home / LIB).is_file() and _stamp_ok(home):
-            return str(home / LIB), ""
+    why = []
+    for home, private in ((PACKAGED / key, False), (cache_dir() / key, True)):
+        if (home / LIB).is_file():
+            problem = stamp_problem(home, private)
+            if not problem:
+                return str(home / LIB), ""
+            why.append(f"{home / LIB}: {problem}")
     try:
-        return str(build(download=False)), ""
+        lib = build(download=False)
+        problem = stamp_problem(lib.parent, private=True)
+        if problem:
+            raise RuntimeError(f"{lib}: {problem}")
+        return str(lib), ""
     except (RuntimeError, OSError) as e:
-        return None, f"the native attention library is not built ({str(e).splitlines()[0]}; " \
-                     f"run `kvserve native build`)"
+        why.append(str(e).splitlines()[0])
+        return None, f"the native library is not usable ({'; '.join(why)}; `kvserve native " \
+                     f"build` builds it)"

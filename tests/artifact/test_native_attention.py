@@ -224,6 +224,48 @@ def test_a_library_not_as_built_or_writable_by_others_is_not_used(library, tmp_p
     assert NB.library()[0] is None
 
 
+def test_the_packaged_library_is_trusted_as_the_packages_code(library, tmp_path, monkeypatch):
+    """A pip install under umask 002 leaves the package's files group-writable, its Python
+    files too: the package's own library is held to its stamp, not to the cache's rule."""
+    key = NB._key(NB._vector_flags())
+    home = tmp_path / "pkg" / key
+    shutil.copytree(os.path.dirname(library), home)
+    for path in (home.parent, home, home / NB.LIB, home / "stamp.json"):
+        path.chmod(path.stat().st_mode | 0o020)
+    monkeypatch.setattr(NB, "PACKAGED", tmp_path / "pkg")
+    assert NB.library()[0] == str(home / NB.LIB)
+    with open(home / NB.LIB, "ab") as f:
+        f.write(b"\0")
+    monkeypatch.setenv("KVSERVE_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVSERVE_ORT_INCLUDE", str(tmp_path / "no-headers"))
+    lib, why = NB.library()
+    assert lib is None and "not the file its build wrote" in why
+
+
+def test_a_rewritten_graph_onnxruntime_refuses_falls_back(library, artifacts, monkeypatch,
+                                                           caplog):
+    """(auto) A graph on the native ops that onnxruntime will not load (here: a node of an
+    op the library does not have) loads as exported instead, saying why."""
+    real = NA.prepare
+
+    def broken(model, options, providers, mode="auto"):
+        out = real(model, options, providers, mode)
+        model.graph.node.append(onnx.helper.make_node("Nope", ["input_ids"], ["nope"],
+                                                      domain=NA.DOMAIN))
+        return out
+
+    monkeypatch.setattr(NA, "prepare", broken)
+    with caplog.at_level(logging.WARNING):
+        lm = FusedLM(artifacts["fused"], provider="cpu", threads=1, attention=False)
+    assert lm.attention_kernel.startswith(NA.ONNXRUNTIME) and "did not load" in lm.attention_kernel
+    assert not lm.row_invariant_attention and "did not load" in caplog.text
+    kv = lm.new_cache(1)
+    assert lm.prefill(kv, 0, [[1, 2, 3]], last=True).logits[0].shape == (1, lm.cfg.vocab_size)
+    with pytest.raises(Exception):
+        FusedLM(artifacts["fused"], provider="cpu", threads=1, attention=False,
+                attention_kernel="native")
+
+
 def test_native_asked_for_holds_for_the_main_graph_only(library, artifact):
     """The attention-diagnostics graph returns the weights: onnxruntime's op there, and a
     request for attention still runs under --attention-kernel native."""

@@ -59,6 +59,18 @@ def test_a_group_whose_tensors_are_read_elsewhere_stays(library, artifacts):
     assert sig.name not in {g[1].name for g in NS.groups(model)}
 
 
+def test_unnamed_nodes_are_told_apart(artifacts):
+    """Readers compared as nodes, not by name: with every name erased, a third reader of a
+    group's tensor still keeps that group."""
+    model = _graph(artifacts)
+    n = len(NS.groups(model))
+    split = NS.groups(model)[0][0]
+    for node in model.graph.node:
+        node.name = ""
+    model.graph.node.append(onnx.helper.make_node("Identity", [split.output[1]], ["extra"]))
+    assert len(NS.groups(model)) == n - 1
+
+
 def test_a_half_precision_graph_keeps_its_ops(artifacts):
     model = _graph(artifacts)
     model.graph.input[-1].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
