@@ -30,3 +30,17 @@ def artifact(tmp_path_factory):
     from kvserve_testing import build_artifact
 
     return build_artifact(tmp_path_factory.mktemp("server_artifact"))
+
+
+@pytest.fixture(scope="session")
+def native_library() -> str:
+    """kvserve's native library (``artifact.native_build``) for this checkout and machine: on
+    CI a test that needs it fails without it (scripts/install.sh builds it), elsewhere skips."""
+    from kvserve.artifact import native_build
+
+    lib, why = native_build.library()
+    if lib is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the native library is not built on CI: {why}")
+        pytest.skip(why)
+    return lib

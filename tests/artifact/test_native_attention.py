@@ -24,14 +24,9 @@ from kvserve.artifact import native_build as NB
 from kvserve.artifact.fused import FusedLM
 
 
-@pytest.fixture(scope="module")
-def library() -> str:
-    lib, why = NB.library()
-    if lib is None:
-        if os.environ.get("CI"):  # (scripts/install.sh builds it; CI checks the native path)
-            pytest.fail(f"the native attention library is not built on CI: {why}")
-        pytest.skip(why)
-    return lib
+@pytest.fixture
+def library(native_library) -> str:
+    return native_library
 
 
 def _sets():

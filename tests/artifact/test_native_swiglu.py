@@ -4,24 +4,17 @@ tensors nothing else reads, none in a half-precision graph. The runner tests (``
 ``fused``) and ``test_native_attention``'s runner comparison run graphs with it."""
 from __future__ import annotations
 
-import os
 
 import onnx
 import pytest
 
-from kvserve.artifact import native_build as NB
 from kvserve.artifact import native_swiglu as NS
 from kvserve.artifact.fused import FusedLM
 
 
-@pytest.fixture(scope="module")
-def library() -> str:
-    lib, why = NB.library()
-    if lib is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the native library is not built on CI: {why}")
-        pytest.skip(why)
-    return lib
+@pytest.fixture
+def library(native_library) -> str:
+    return native_library
 
 
 def test_the_op_equals_onnxruntimes_ops(library):

@@ -74,18 +74,6 @@ def qlm(request, tmp_path_factory):
     return _quant(tmp_path_factory, request.param, False)
 
 
-def _native_or_skip() -> None:
-    from kvserve.artifact import native_build
-
-    lib, why = native_build.library()
-    if lib is None:
-        import os
-
-        if os.environ.get("CI"):
-            pytest.fail(f"the native attention library is not built on CI: {why}")
-        pytest.skip(why)
-
-
 @pytest.fixture(scope="module", params=[(q, p) for q in sorted(QUANT) for p in (True, False)],
                 ids=lambda k: f"{k[0]}-{'paired' if k[1] else 'native'}")
 def plm(request, tmp_path_factory):
@@ -93,7 +81,7 @@ def plm(request, tmp_path_factory):
     attention kernel: a row computed alike in every call either way."""
     q, paired = request.param
     if not paired:
-        _native_or_skip()
+        request.getfixturevalue("native_library")
     return _quant(tmp_path_factory, q, paired, "onnxruntime" if paired else "native")
 
 
