@@ -271,12 +271,11 @@ def prepare(model: onnx.ModelProto, options: ort.SessionOptions, providers: list
         try:
             err = _checked(library, tuple(s.values()))
         except Exception as e:  # (a library this onnxruntime cannot load, ...)
-            err, detail = float("nan"), f" ({str(e).splitlines()[0][:200]})"
+            msg = f"the native op could not be checked ({str(e).splitlines()[0][:200]})"
         else:
-            detail = ""
-        if not err <= TOLERANCE:
-            msg = f"the native op differs from onnxruntime's by {err:.1e} (over " \
-                  f"{TOLERANCE}){detail}"
+            msg = "" if err <= TOLERANCE else \
+                f"the native op differs from onnxruntime's by {err:.1e} (over {TOLERANCE})"
+        if msg:
             log.warning("attention: %s; using onnxruntime's", msg)
             return keep(msg)
     n = rewrite(model)
