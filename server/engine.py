@@ -106,9 +106,12 @@ class Engine:
         sensitive = shape_sensitive(lm)
         self.inexact = "" if inexact_speedups else sensitive
         if self.inexact and (prefix_cache_bytes or speculative_tokens or fast_forward):
+            # (on the native kernel attention is alike already: what differs is a matmul)
+            cure = "an export in smaller blocks (--int4-block-size 32) may run them exactly" \
+                if getattr(lm, "row_invariant_attention", False) else \
+                "an export with --paired-attention runs them exactly"
             log.info("%s: the prefix cache, speculative decoding and constraint fast-forward "
-                     "are off (--inexact-speedups turns them on; an export with "
-                     "--paired-attention runs them exactly)", self.inexact)
+                     "are off (--inexact-speedups turns them on; %s)", self.inexact, cure)
         elif inexact_speedups and sensitive:
             log.info("--inexact-speedups: %s; outputs may differ from those without the "
                      "speed features", sensitive)
