@@ -108,9 +108,24 @@ def rewrite(model: onnx.ModelProto) -> int:
             local_window_size=int(a.get("local_window_size", -1)),
             softcap=float(a.get("softcap", 0.0))))
         changed += 1
-    if changed and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if changed:
+        declare_domain(model)
     return changed
+
+
+def declare_domain(model: onnx.ModelProto) -> None:
+    """The library's op domain in ``model``'s opset imports (once), after a rewrite."""
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+def check_options(library: str) -> ort.SessionOptions:
+    """Session options for a load-time check of the library's ops against onnxruntime's."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 2
+    so.register_custom_ops_library(library)
+    return so
 
 
 def attribute_sets(model: onnx.ModelProto) -> list[dict]:
@@ -190,10 +205,7 @@ def check(library: str, s: dict, providers: list) -> float:
     rng = np.random.default_rng(20261204)
     # (past the window, where there is one: the calls' last positions reach capacity - 1)
     capacity = max(200, s["window"] + 100)
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 2
-    so.register_custom_ops_library(library)
+    so = check_options(library)
     worst = 0.0
     for past, new, S in _calls(rng, capacity):
         B = len(past)

@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-DOMAIN = "ai.kvserve"
+from .native_attention import DOMAIN, check_options, declare_domain
 OP = "SwiGLU"
 TOLERANCE = 1e-5  # the largest |difference| of the check's outputs over their largest
 
@@ -98,8 +98,7 @@ def rewrite(model: onnx.ModelProto) -> int:
         keep.append(n)
     del model.graph.node[:]
     model.graph.node.extend(keep)
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    declare_domain(model)
     return len(found)
 
 
@@ -128,10 +127,7 @@ def check(library: str) -> float:
     """The op against the four ops on rows of random values (a decode row, a prefill's
     rows, values far into both tails): the largest difference over the largest output."""
     rng = np.random.default_rng(20261204)
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.intra_op_num_threads = 2
-    so.register_custom_ops_library(library)
+    so = check_options(library)
     worst = 0.0
     for rows, F in ((1, 2048), (3, 1003), (300, 512)):
         x = (rng.standard_normal((rows, 2 * F)) * 4).astype(np.float32)
