@@ -5,20 +5,24 @@ handling of its tokens after it (a verification walks its rows token by token: a
 a small model that is a good part of the step). The speculator and the forced-token
 fast-forward choose their draft lengths from these figures; both see the same ones.
 
-Each shape (batch size n, positions S) keeps its own figure: the median of its recent
-calls' seconds over the plain step's. One slope per batch size (``plain + per_position * n *
-(S - 1)``) was tried first and misled: the step from one position to two costs far more than
-each one after it (the 6M model at batch 8 on the CPU provider, 2 cores: a plain step 612 us,
-S = 2, 3, 4, 5 1,173, 1,606, 1,927, 2,247 us), so a slope fitted on the longer calls priced
-S = 2 at ~1.5x where it cost ~1.9x (2.3x with its tokens' handling), and the engine took
-verification steps that lost speed. A shape not measured yet is priced by interpolation
-between the measured ones (S = 1 is 1.0), beyond the longest one along the last segment's
-slope, and with nothing measured at that batch size by an optimistic prior, so that it is
-tried, and measured, once.
+Each shape (batch size n, positions S) keeps its recent calls' seconds over the plain
+step's (their median: one call slowed by another process moves it little), and a batch size's
+shapes are priced together by one line with a jump: ``relative(n, S) = j + b * (S - 2)`` for
+S >= 2 (1.0 at S = 1), fitted to the measured shapes' medians by least squares, each weighed
+by its count of calls. The step from one position to two costs more than each one after it
+(the 6M model at batch 8 on the CPU provider, 2 cores: a plain step 612 us, S = 2, 3, 4, 5
+1,173, 1,606, 1,927, 2,247 us), so a slope from S = 1 priced S = 2 at ~1.5x where it cost
+~1.9x; the jump's line prices both. Each shape priced by its own median alone (before
+2026-12-05) let one early call stick: a short shape measured once or twice while the process
+was still warming (the default trained model at batch 1: S = 2 at 2.0-2.4x, where its calls
+cost 1.1-1.4x when measured in a row) was refused for that price ever after, so it was never
+measured again, and the drafts went to the long shapes or to none (1,240 drafted tokens over
+16 x 128 where 1,980 were drafted before). Every shape's calls now move the one line. With
+one shape measured the line runs through it from (1, 1.0); with nothing measured at that
+batch size an optimistic prior prices every shape, so that it is tried, and measured, once.
 """
 from __future__ import annotations
 
-import bisect
 import statistics
 from collections import deque
 
@@ -41,6 +45,7 @@ class StepCosts:
         self._plain_samples: dict[int, deque] = {}  # batch size -> recent steady seconds
         self._samples: dict[int, dict[int, deque]] = {}  # n -> S -> recent seconds / plain
         self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
+        self._lines: dict[int, tuple[float, float]] = {}  # n -> its fitted (j, b) (_line)
         self._last: tuple[int, int] | None = None  # the last step's (n, S)
 
     def plain_step(self, n: int, seconds: float, once: bool = False) -> bool:
@@ -73,6 +78,7 @@ class StepCosts:
         recent = self._samples.setdefault(n, {}).setdefault(positions, deque(maxlen=_SAMPLES))
         recent.append(max(1.0, seconds / plain))
         self.ratio.setdefault(n, {})[positions] = statistics.median(recent)
+        self._lines.pop(n, None)
 
     def measured(self, n: int) -> bool:
         """Whether a plain step and a verification were measured at batch size ``n``."""
@@ -86,35 +92,42 @@ class StepCosts:
             scaled = deque((1 + (r - 1) * factor for r in recent), maxlen=_SAMPLES)
             self._samples[n][S] = scaled
             self.ratio[n][S] = statistics.median(scaled)
+        self._lines.pop(n, None)
 
     def relative(self, n: int, positions: int) -> float:
-        """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's:
-        measured, else interpolated (see the module's docstring)."""
+        """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's
+        (see the module's docstring)."""
         if positions <= 1:
             return 1.0
-        known = self.ratio.get(n)
-        if known and n in self.plain and positions in known:  # (measured: no list)
-            return known[positions]
-        return self.relatives(n, positions)[-1]
+        j, b = self._line(n)
+        return max(1.0, j + b * (positions - 2))
 
     def relatives(self, n: int, top: int) -> list[float]:
         """``relative(n, S)`` for S = 1 .. ``top``, in one pass (the drafters weigh every
         length before each step)."""
+        j, b = self._line(n)
+        return [1.0] + [max(1.0, j + b * (S - 2)) for S in range(2, top + 1)]
+
+    def _line(self, n: int) -> tuple[float, float]:
+        """(j, b): batch size ``n``'s price of S = 2 and of each position after it."""
+        line = self._lines.get(n)
+        if line is not None:
+            return line
         known = self.ratio.get(n)
         if not known or n not in self.plain:
-            return [1.0 + PRIOR_PER_POSITION * (S - 1) for S in range(1, top + 1)]
-        xs = sorted(known)
-        ys = [known[S] for S in xs]
-        xs.insert(0, 1)
-        ys.insert(0, 1.0)
-        out = [1.0]
-        for S in range(2, top + 1):
-            r = known.get(S)
-            if r is None:
-                i = bisect.bisect_left(xs, S)  # xs[i - 1] < S < xs[i] (or the end)
-                if i == len(xs):  # past the longest measured: along the last segment
-                    i -= 1
-                x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-                r = max(1.0, y0 + max(0.0, (y1 - y0) / (x1 - x0)) * (S - x0))
-            out.append(r)
-        return out
+            return 1.0 + PRIOR_PER_POSITION, PRIOR_PER_POSITION
+        weights = {S: len(self._samples[n][S]) for S in known}
+        total = sum(weights.values())
+        if len(known) == 1:  # through (1, 1.0) and the one shape
+            (S0, r0), = known.items()
+            b = (r0 - 1.0) / (S0 - 1)
+            line = (1.0 + b, b)
+        else:  # weighted least squares of r = j + b * (S - 2)
+            mx = sum(w * (S - 2) for S, w in weights.items()) / total
+            my = sum(w * known[S] for S, w in weights.items()) / total
+            sxx = sum(w * (S - 2 - mx) ** 2 for S, w in weights.items())
+            sxy = sum(w * (S - 2 - mx) * (known[S] - my) for S, w in weights.items())
+            b = max(0.0, sxy / sxx)  # (noise may tilt it down: then flat at the mean)
+            line = (my - b * mx, b)
+        self._lines[n] = line
+        return line
