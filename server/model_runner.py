@@ -329,7 +329,7 @@ class ModelRunner(KeptRows):
         if drafts is not None:
             self._verify_step(drafts, ngram is not None, time.monotonic() - t0)
         else:
-            self._decode_step()
+            self._decode_step(time.monotonic() - t0 if self.spec is not None else 0.0)
 
     def _within_context(self, drafts: list[list[int]]) -> list[list[int]] | None:
         """``drafts`` cut so that the verification's every row, padded to the longest, stays
@@ -343,7 +343,10 @@ class ModelRunner(KeptRows):
         cut = [d[:room] for d in drafts] if room > 0 else []
         return cut if any(cut) else None
 
-    def _decode_step(self) -> None:
+    def _decode_step(self, drafting: float = 0.0) -> None:
+        """A plain step: one token for every active sequence. ``drafting``: the seconds the
+        drafters took before it (lookups that found nothing, or drafts that did not pay):
+        the ``Backoff`` charges them to speculation, the step costs leave them out."""
         active, kv = self.sched.active, self.sched.kv
         n = len(active)
         # the diagnostics graph for a row that wants attention from its last prompt token on
@@ -389,10 +392,10 @@ class ModelRunner(KeptRows):
                         premasked=bool(masks), now=now)
         # the drafters weigh whole steps: the call and the tokens' handling after it (a
         # verification walks its rows token by token, a plain step takes one argmax)
-        steady = self.costs.plain_step(n, time.monotonic() - t0,
-                                       once=self._bindings_built() != built)
+        seconds = time.monotonic() - t0
+        steady = self.costs.plain_step(n, seconds, once=self._bindings_built() != built)
         if self.spec is not None:
-            self.spec.backoff.plain_step(n, steady)
+            self.spec.backoff.plain_step(n, steady, seconds + drafting)
 
     def _bindings_built(self) -> int:
         """The runner's IO bindings built so far (a call that built one paid a one-time cost,

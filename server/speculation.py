@@ -17,17 +17,30 @@ Four things keep it from costing speed:
   length at which the rows gain most in geometric mean (all rows' drafts cut to it: the
   padding is paid anyway; a row without a draft is not slowed for the others' sake unless
   they gain more, in ratio), or a plain step when no draft pays;
-- per engine, ``Backoff``: the tokens the verification steps of a window yield per second are
-  compared with the plain step's at the same batch size (two plain steps are taken now and
-  then to keep that figure fresh); a window that yields fewer pauses speculation (the batch is
-  compute-bound, or the drafts are poor), for longer each time it happens again in a row.
-  Sums over a window, not step by step, so that one step slowed by another process does not
-  switch it off;
+- per engine, ``Backoff``: the tokens a window of steps yields per second while speculation is
+  on (``_WINDOW`` verifications with the plain steps among them, or ``_WINDOW_STEPS`` steps
+  in all: the plain steps pay for the lookups and the n-gram indexes, and the one after a
+  verification for the change of shape) are compared with the plain step's at the same batch
+  size (two plain steps are taken now and then to keep that figure fresh). A window that
+  yields fewer pauses speculation at that batch size only (the batch is compute-bound, or the
+  drafts are poor), for longer each time it happens again in a row: up to
+  ``_PAUSE_MAX_SECONDS`` of plain steps, so that where speculation never pays it stays off,
+  its indexes unbuilt, nearly all the time, and where it begins to pay it is back within
+  seconds; a window that gains halves the next pause. A window of lookups that found no draft
+  worth verifying pauses it only where verifications have been losing (the trend of the
+  windows judged on them): where they pay, the lookups are the price of the next drafts (a
+  pause there missed them: the default trained model at batch 1 drafted 40% less).
+  A request's own draft source (OpenAI's ``prediction``) drafts through a pause. Sums over a
+  window, not step by step, so that one step slowed by another process does not switch it
+  off. (Before 2026-12-05 only verifications were weighed and a pause held at every batch
+  size: on the default trained model at batch 8, speculation drafting next to nothing cost
+  3-12% against it off, most of it the n-gram indexes of prompts and generated tokens.);
 - the costs are measured per batch size, so a batch that is compute-bound pays for no draft
   it cannot afford.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .ngram import AdaptiveK, MatchRates, NgramIndex, best_positions
@@ -35,9 +48,12 @@ from .sequence import Sequence
 from .step_costs import StepCosts
 
 _REFRESH = 32  # verification steps between two refreshes of the plain figure at a batch size
-_WINDOW = 16  # verification steps whose tokens and seconds are weighed together
-_PAUSE = 16  # plain steps of a first pause; doubled while windows keep losing ...
-_PAUSE_MAX = 256  # ... up to this
+_WINDOW = 16  # verification steps whose tokens and seconds are weighed together (with the
+_WINDOW_STEPS = 64  # plain steps among them), or this many steps in all
+_JUDGED = 4  # a window with this many verifications says whether they pay at its batch size
+_TREND = 0.5  # the weight of the earlier such windows in its trend
+_PAUSE = 16  # plain steps of a first pause (at that batch size); doubled while windows keep
+_PAUSE_MAX_SECONDS = 2.0  # losing, up to this many seconds of plain steps there
 _MAX_SKIP = 4  # steps between lookups of a sequence whose lookups keep finding nothing
 _INDEX_CHUNK = 1024  # prompt tokens indexed per step (random tokens, all n-grams distinct:
 # 1,000 took 1-2 ms, 16,000 25-47 ms in one step of every sequence in the batch)
@@ -70,41 +86,73 @@ class Backoff:
     def __init__(self, costs: StepCosts):
         self.costs = costs
         self.since_plain: dict[int, int] = {}  # batch size -> verification steps since a plain
-        self.window: dict[int, list] = {}  # batch size -> [steps, tokens, seconds] so far
-        self.gain: float | None = None  # the last window's (verification tokens/s) / (plain)
-        self.paused = 0  # plain steps left before speculation is tried again
-        self.pause = _PAUSE  # the next pause's length
+        self.window: dict[int, list] = {}  # batch size -> [verifications, steps, tokens,
+        # seconds] so far
+        self.gain: float | None = None  # the last window's (tokens/s while on) / (plain)
+        self.paused: dict[int, int] = {}  # batch size -> its plain steps left before
+        # speculation is tried again there
+        self.pause: dict[int, int] = {}  # batch size -> its next pause's length
+        self.consulted = False  # the step being taken was offered to speculation (not paused)
+        self.trend: dict[int, float] = {}  # batch size -> the moving average of the log of
+        # its windows' gains, those judged on verifications (``_JUDGED``)
 
     def allow(self, n: int) -> bool:
-        if self.paused:
-            self.paused -= 1
+        self.consulted = False
+        if self.paused.get(n):
+            self.paused[n] -= 1
             return False
+        self.consulted = True
         return n in self.costs.plain and self.since_plain.get(n, 0) < _REFRESH
 
-    def plain_step(self, n: int, steady: bool = True) -> None:
-        """A plain step at batch size ``n``; ``steady``: its seconds were measured (it followed
-        a plain step at ``n``): a fresh figure, so verification may go on for ``_REFRESH``
-        steps (a refresh is two plain steps: the first one pays for the change of shape)."""
+    def longest_pause(self, n: int) -> int:
+        """Plain steps at batch size ``n`` in ``_PAUSE_MAX_SECONDS`` (at least ``_PAUSE``)."""
+        plain = self.costs.plain.get(n)
+        return max(_PAUSE, int(_PAUSE_MAX_SECONDS / plain)) if plain else _PAUSE
+
+    def plain_step(self, n: int, steady: bool = True, seconds: float = 0.0) -> None:
+        """A plain step at batch size ``n`` (its ``seconds``, with the drafting before it);
+        ``steady``: its seconds were measured (it followed a plain step at ``n``): a fresh
+        figure, so verification may go on for ``_REFRESH`` steps (a refresh is two plain
+        steps: the first one pays for the change of shape). A step taken while speculation
+        was on counts in the window (``n`` tokens)."""
         if steady:
             self.since_plain[n] = 0
+        if self.consulted and seconds > 0:
+            self._weigh(n, 0, n, seconds)
+        self.consulted = False
 
     def verify_step(self, n: int, seconds: float, tokens: int) -> None:
         self.since_plain[n] = self.since_plain.get(n, 0) + 1
+        self.consulted = False
+        if seconds > 0:
+            self._weigh(n, 1, tokens, seconds)
+
+    def _weigh(self, n: int, verified: int, tokens: int, seconds: float) -> None:
         plain = self.costs.plain.get(n)
-        if plain is None or seconds <= 0:
+        if plain is None:
             return
-        w = self.window.setdefault(n, [0, 0, 0.0])
-        w[0] += 1
-        w[1] += tokens
-        w[2] += seconds
-        if w[0] < _WINDOW:
+        w = self.window.setdefault(n, [0, 0, 0, 0.0])
+        w[0] += verified
+        w[1] += 1
+        w[2] += tokens
+        w[3] += seconds
+        if w[0] < _WINDOW and w[1] < _WINDOW_STEPS:
             return
-        self.gain = (w[1] / w[2]) / (n / plain)
-        self.window[n] = [0, 0, 0.0]
+        self.gain = (w[2] / w[3]) / (n / plain)
+        self.window[n] = [0, 0, 0, 0.0]  # (``w`` is the window just weighed)
+        if w[0] >= _JUDGED:  # verifications enough to say whether they pay here: the
+            # trend of such windows' gains (one window's is noisy: a compute-bound batch
+            # size had one win in six now and then, and went on losing after it)
+            t = self.trend.get(n)
+            g = math.log(self.gain)
+            self.trend[n] = g if t is None else _TREND * t + (1 - _TREND) * g
+        elif self.trend.get(n, 0.0) >= 0:  # lookups (and few verifications) where verifying
+            return  # pays, or was never judged: their cost is the price of the next drafts
         if self.gain < _WORTH:
-            self.paused, self.pause = self.pause, min(2 * self.pause, _PAUSE_MAX)
-        else:
-            self.pause = _PAUSE
+            self.paused[n] = self.pause.get(n, _PAUSE)
+            self.pause[n] = min(2 * self.paused[n], self.longest_pause(n))
+        elif w[0] >= _JUDGED:  # (a window of lookups alone never shortens the next pause)
+            self.pause[n] = max(_PAUSE, self.pause.get(n, _PAUSE) // 2)
 
 
 class Speculator:
@@ -137,13 +185,15 @@ class Speculator:
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
         (the plain step is cheaper then)."""
+        self.backoff.consulted = False
         # a row with attention diagnostics (or feeding its prompt's tail for them) needs the
         # diagnostics graph's step: the whole batch takes it
         if any(s.drafting is None for s in active) and \
                 any(s.wants_attention or s.forced for s in active):
             return None
-        if not self.backoff.allow(len(active)):
-            return None
+        if not self.backoff.allow(len(active)) and not any(
+                s.req.lookup_ids for s in active if s.drafting is not None):
+            return None  # (a request's own draft source is tried even so)
         n = len(active)
         if self._rest.get(n, 0):  # no draft paid at this batch size lately: weighed less often
             self._rest[n] -= 1

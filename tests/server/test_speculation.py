@@ -8,8 +8,9 @@ from kvserve.model.sampling import SamplingParams
 from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 from kvserve.server.sequence import Handle, Sequence
 from kvserve.server.ngram import NgramIndex
-from kvserve.server.speculation import (_INDEX_CHUNK, _MAX_SKIP, _PAUSE, _PAUSE_MAX, _REFRESH,
-                                        _WINDOW, Backoff, Speculator)
+from kvserve.server.speculation import (_INDEX_CHUNK, _MAX_SKIP, _PAUSE, _PAUSE_MAX_SECONDS,
+                                        _REFRESH,
+                                        _WINDOW, _WINDOW_STEPS, Backoff, Speculator)
 from kvserve.server.step_costs import StepCosts
 
 
@@ -68,9 +69,155 @@ def test_speculation_pauses_while_it_yields_fewer_tokens_per_second():
         b.verify_step(8, 0.020, 9)
     _plain(b, 8, 0.010)  # (the refresh, so that only the pause refuses below)
     assert sum(not b.allow(8) for _ in range(4 * _PAUSE)) == 2 * _PAUSE  # ... losing again:
-    for _ in range(_WINDOW):  # a pause twice as long; a window that gains resets it
+    assert b.pause[8] == 4 * _PAUSE  # a pause twice as long, the next one twice again ...
+    for _ in range(_WINDOW):  # ... and a window that gains halves it
         b.verify_step(8, 0.010, 16)
-    assert b.pause == _PAUSE and _PAUSE_MAX >= 8 * _PAUSE
+    assert b.pause[8] == 2 * _PAUSE and b.longest_pause(8) >= 8 * _PAUSE
+
+
+def test_the_plain_steps_between_verifications_count_against_speculation():
+    """Verifications that win alone (10 tokens in 10 ms at batch 8 against 8 in 10 ms) but
+    whose plain steps between them pay for lookups and for the change of shape (13 ms each,
+    three for every verification): the window as a whole yields fewer tokens per second than
+    plain steps do, so speculation pauses (weighed on its verifications alone it went on)."""
+    b = Backoff(StepCosts())
+    _plain(b, 8, 0.010)
+    steps = 0
+    while b.allow(8) and steps < 200:
+        b.verify_step(8, 0.010, 10)
+        for _ in range(3):
+            b.allow(8)
+            b.plain_step(8, False, 0.013)
+        steps += 1
+    assert b.paused[8] and b.gain < 1 and steps <= _WINDOW
+
+
+def _losing_window(b: Backoff, n: int, plain: float) -> None:
+    """A window of verifications that yields half the plain steps' tokens per second (``b``
+    then pauses at ``n``), and the pause waited out."""
+    while b.allow(n):
+        b.verify_step(n, 2 * plain, n)
+    while not b.allow(n):
+        pass
+    b.plain_step(n, True, plain)
+
+
+def test_lookups_that_never_draft_pause_speculation_where_verifying_lost():
+    """No verification, every plain step paying for the lookups (11 ms against a plain
+    step's 10), where the last window of verifications lost (a compute-bound batch): after
+    ``_WINDOW_STEPS`` steps speculation pauses again, and the lookups stop."""
+    b = Backoff(StepCosts())
+    _plain(b, 2, 0.010)
+    _losing_window(b, 2, 0.010)
+    steps = 0
+    while b.allow(2) and steps < 10 * _WINDOW_STEPS:
+        b.plain_step(2, True, 0.011)
+        steps += 1
+    assert steps == _WINDOW_STEPS - 1 and b.paused[2] == 2 * _PAUSE - 1  # (+ the one above)
+
+
+def test_lookups_go_on_where_verifying_paid_or_was_never_judged():
+    """The same lookups where no window of verifications was judged yet, or where the last
+    one gained: no pause (a pause there misses the drafts that come next)."""
+    b = Backoff(StepCosts())
+    _plain(b, 2, 0.010)
+    for _ in range(10 * _WINDOW_STEPS):
+        assert b.allow(2)
+        b.plain_step(2, True, 0.011)
+    for _ in range(_WINDOW):  # 4 tokens in 10 ms: it pays
+        assert b.allow(2)
+        b.verify_step(2, 0.010, 4)
+    assert b.trend[2] > 0
+    for _ in range(10 * _WINDOW_STEPS):
+        assert b.allow(2)
+        b.plain_step(2, True, 0.011)
+    assert not b.paused.get(2)
+
+
+def test_a_window_of_lookups_never_shortens_the_next_pause():
+    """A window without verifications that yields as much as plain steps (its lookups cost
+    nothing measurable: the machine's noise put it over 1) leaves the next pause as long as
+    the losing windows made it; a window of verifications that gains halves it."""
+    b = Backoff(StepCosts())
+    _plain(b, 2, 0.010)
+    _losing_window(b, 2, 0.010)  # a pause of 16; then lookups losing: 32, 64; next 128
+    for _ in range(2):
+        while b.allow(2):
+            b.plain_step(2, True, 0.011)
+        while not b.allow(2):
+            pass
+        b.plain_step(2, True, 0.011)
+    assert b.pause[2] == 8 * _PAUSE
+    for _ in range(_WINDOW_STEPS):
+        assert b.allow(2)
+        b.plain_step(2, True, 0.0099)
+    assert b.gain > 1 and b.pause[2] == 8 * _PAUSE
+    for _ in range(_WINDOW):
+        assert b.allow(2)
+        b.verify_step(2, 0.010, 4)
+    assert b.gain > 1 and b.pause[2] == 4 * _PAUSE  # (halved)
+
+
+def test_a_request_with_its_own_draft_source_drafts_through_a_pause():
+    """OpenAI's ``prediction`` (``lookup_ids``): its row drafts while the batch size is paused
+    (the pause goes on for the other requests)."""
+    sp = Speculator(k_max=4, max_seq_len=256)
+    _plain(sp.backoff, 1, 0.01)
+    sp.backoff.paused[1] = 50
+    plain = _seq([20, 21, 22, 20], generated=[21])  # (would draft 22, 20, 21, ...)
+    sp.admit(plain)
+    assert sp.drafts([plain]) is None
+    req = GenerateRequest([20, 21, 22], SamplingParams(), StopParams(max_new_tokens=16),
+                          OutputParams(), lookup_ids=(30, 31, 32, 33, 34))
+    predicted = Sequence(req, Handle("p", lambda: None), submitted=0.0)
+    predicted.generated = [30]
+    sp.admit(predicted)
+    assert sp.drafts([predicted]) == [[31, 32, 33, 34]]
+    assert sp.backoff.paused[1] == 48
+
+
+def test_a_pause_holds_at_its_batch_size_only():
+    """Speculation losing at batch 8 (compute-bound) pauses there; a step at batch 1 may still
+    verify, and its steps do not shorten batch 8's pause."""
+    b = Backoff(StepCosts())
+    _plain(b, 8, 0.010)
+    _plain(b, 1, 0.004)  # (the second at batch 1 is the one measured)
+    _plain(b, 1, 0.004)
+    while b.allow(8):
+        b.verify_step(8, 0.020, 9)
+    assert b.paused[8] == _PAUSE - 1
+    for _ in range(3 * _PAUSE):
+        assert b.allow(1)
+        b.verify_step(1, 0.004, 2)
+        _plain(b, 1, 0.004)  # (two: the second is steady, a fresh plain figure)
+        _plain(b, 1, 0.004)
+    assert b.paused[8] == _PAUSE - 1 and not b.allow(8)
+
+
+def test_pauses_grow_to_the_cap_while_every_window_loses():
+    """Doubling, up to ``_PAUSE_MAX_SECONDS`` of plain steps at that batch size."""
+    b = Backoff(StepCosts())
+    _plain(b, 8, 0.010)
+    lengths = []
+    for _ in range(12):
+        while b.allow(8):
+            b.verify_step(8, 0.020, 9)
+        lengths.append(b.paused[8] + 1)
+        while not b.allow(8):
+            pass
+        _plain(b, 8, 0.010)
+    assert lengths[:4] == [_PAUSE, 2 * _PAUSE, 4 * _PAUSE, 8 * _PAUSE]
+    assert max(lengths) == lengths[-1] == int(_PAUSE_MAX_SECONDS / 0.010) == b.longest_pause(8)
+
+
+def test_a_plain_step_taken_while_paused_is_not_weighed():
+    b = Backoff(StepCosts())
+    _plain(b, 1, 0.010)
+    b.paused[1] = 3
+    for _ in range(3):
+        assert not b.allow(1)
+        b.plain_step(1, True, 0.050)  # (slow, but speculation was off: not its cost)
+    assert b.window.get(1, [0, 0, 0, 0.0])[1] == 0
 
 
 def test_one_slow_step_does_not_pause_speculation():
@@ -81,7 +228,7 @@ def test_one_slow_step_does_not_pause_speculation():
             _plain(b, 1, 0.010)  # (the refreshes)
         assert b.allow(1)
         b.verify_step(1, 0.050 if i == 3 else 0.012, 3)
-    assert b.paused == 0 and b.gain > 1
+    assert not b.paused.get(1) and b.gain > 1
 
 
 def test_a_long_prompt_is_indexed_over_several_steps():
