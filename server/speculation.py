@@ -21,15 +21,15 @@ Four things keep it from costing speed:
   on (``_WINDOW`` verifications with the plain steps among them, or ``_WINDOW_STEPS`` steps
   in all: the plain steps pay for the lookups and the n-gram indexes, and the one after a
   verification for the change of shape) are compared with the plain step's at the same batch
-  size (two plain steps are taken now and then to keep that figure fresh). A window that
-  yields fewer pauses speculation at that batch size only (the batch is compute-bound, or the
-  drafts are poor), for longer each time it happens again in a row: up to
-  ``_PAUSE_MAX_SECONDS`` of plain steps, so that where speculation never pays it stays off,
-  its indexes unbuilt, nearly all the time, and where it begins to pay it is back within
-  seconds; a window that gains halves the next pause. A window of lookups that found no draft
-  worth verifying pauses it only where verifications have been losing (the trend of the
-  windows judged on them): where they pay, the lookups are the price of the next drafts (a
-  pause there missed them: the default trained model at batch 1 drafted 40% less).
+  size (two plain steps are taken now and then to keep that figure fresh). Where the windows
+  yield fewer (a moving average of their gains: one window's is noisy), speculation pauses
+  at that batch size only (the batch is compute-bound, or the drafts are poor), for longer
+  each time it happens again in a row: up to ``_PAUSE_MAX_SECONDS`` of plain steps, so that
+  where speculation never pays it stays off, its indexes unbuilt, nearly all the time, and
+  where it begins to pay it is back within seconds; a window that gains halves the next
+  pause. A window of lookups that found no draft worth verifying pauses it only where
+  verifications have been losing: where they pay, the lookups are the price of the next
+  drafts (a pause there missed them: the default trained model at batch 1 drafted 40% less).
   A request's own draft source (OpenAI's ``prediction``) drafts through a pause. Sums over a
   window, not step by step, so that one step slowed by another process does not switch it
   off. (Before 2026-12-05 only verifications were weighed and a pause held at every batch
@@ -141,14 +141,18 @@ class Backoff:
         self.gain = (w[2] / w[3]) / (n / plain)
         self.window[n] = [0, 0, 0, 0.0]  # (``w`` is the window just weighed)
         if w[0] >= _JUDGED:  # verifications enough to say whether they pay here: the
-            # trend of such windows' gains (one window's is noisy: a compute-bound batch
-            # size had one win in six now and then, and went on losing after it)
+            # trend of such windows' gains decides (one window's is noisy: on the default
+            # trained model at batch 1, where speculation makes 1.2-1.3x, a third of the
+            # windows lost, each pausing it; at batch 8, where it loses, one in six won)
             t = self.trend.get(n)
             g = math.log(self.gain)
-            self.trend[n] = g if t is None else _TREND * t + (1 - _TREND) * g
-        elif self.trend.get(n, 0.0) >= 0:  # lookups (and few verifications) where verifying
-            return  # pays, or was never judged: their cost is the price of the next drafts
-        if self.gain < _WORTH:
+            self.trend[n] = t = g if t is None else _TREND * t + (1 - _TREND) * g
+            losing = t < math.log(_WORTH)
+        else:  # lookups (and few verifications): they pause it where verifications have
+            # been losing; where they pay, or were never judged, the lookups' cost is the
+            # price of the next drafts
+            losing = self.trend.get(n, 0.0) < math.log(_WORTH) and self.gain < _WORTH
+        if losing:
             self.paused[n] = self.pause.get(n, _PAUSE)
             self.pause[n] = min(2 * self.paused[n], self.longest_pause(n))
         elif w[0] >= _JUDGED:  # (a window of lookups alone never shortens the next pause)

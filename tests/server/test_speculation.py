@@ -137,7 +137,8 @@ def test_lookups_go_on_where_verifying_paid_or_was_never_judged():
 def test_a_window_of_lookups_never_shortens_the_next_pause():
     """A window without verifications that yields as much as plain steps (its lookups cost
     nothing measurable: the machine's noise put it over 1) leaves the next pause as long as
-    the losing windows made it; a window of verifications that gains halves it."""
+    the losing windows made it; windows of verifications that gain halve it, once their
+    trend is a gain."""
     b = Backoff(StepCosts())
     _plain(b, 2, 0.010)
     _losing_window(b, 2, 0.010)  # a pause of 16; then lookups losing: 32, 64; next 128
@@ -152,10 +153,18 @@ def test_a_window_of_lookups_never_shortens_the_next_pause():
         assert b.allow(2)
         b.plain_step(2, True, 0.0099)
     assert b.gain > 1 and b.pause[2] == 8 * _PAUSE
-    for _ in range(_WINDOW):
+    for _ in range(_WINDOW):  # a window of verifications that gains, but the trend of the
+        assert b.allow(2)  # judged windows is still a loss: a pause (of 128; next 256)
+        b.verify_step(2, 0.010, 4)
+    assert b.gain > 1 and b.trend[2] < 0 and b.paused[2] == 8 * _PAUSE
+    while not b.allow(2):
+        pass
+    b.plain_step(2, True, 0.010)  # (a fresh plain figure)
+    for _ in range(_WINDOW):  # another: the trend gains, and the next pause is halved
         assert b.allow(2)
         b.verify_step(2, 0.010, 4)
-    assert b.gain > 1 and b.pause[2] == 4 * _PAUSE  # (halved)
+    assert b.trend[2] > 0 and not b.paused.get(2)
+    assert b.pause[2] == min(16 * _PAUSE, b.longest_pause(2)) // 2
 
 
 def test_a_request_with_its_own_draft_source_drafts_through_a_pause():
