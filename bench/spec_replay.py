@@ -21,6 +21,11 @@ more than the policy changes one wants to compare).
 The figure is the plain steps' cost over the replay's: the speedup speculation gives where
 steps cost what the table says (at batch 1: the tokens per unit of cost).
 
+4. the bound (batch 1, each table): what any policy could make of the same n-gram drafts at
+   those costs, knowing each draft's fate in advance (``oracle``: per position, a plain step
+   or the lookup's draft cut to its best length, the cheapest path to the end by dynamic
+   programming). A speedup target above it is out of reach of n-gram drafts on that machine.
+
     python -m kvserve.bench.spec_replay --cache .bench [--update]
 
 ``--update`` writes ``bench/results/spec-replay.json``.
@@ -149,6 +154,37 @@ def replay(prompts: list[list[int]], outs: list[list[int]],
             "acceptance": sp.accepted / sp.drafted if sp.drafted else None}
 
 
+def oracle(prompts: list[list[int]], outs: list[list[int]], costs: dict[tuple[int, int], float],
+           k_max: int = 8) -> dict:
+    """The bound at batch 1: each continuation's cheapest path where at every position the
+    step is plain (cost 1) or verifies the n-gram lookup's draft there (``NgramIndex``, as
+    the speculator's) cut to a length L up to the tokens it gets right (cost ``costs[1, L +
+    1]``, L + 1 tokens), chosen knowing the outcome. ``speedup``: the plain steps' cost over
+    that path's."""
+    from kvserve.server.ngram import NgramIndex
+
+    plain = cost = 0.0
+    for prompt, out in zip(prompts, outs):
+        N = len(out)  # out[0] came with the prefill; a state j has out[:j], 1 <= j <= N
+        index = NgramIndex(prompt)
+        agree = [0] * (N + 1)
+        for j in range(1, N):
+            index.append(out[j - 1])
+            draft = index.propose(k_max)
+            m = 0
+            while m < len(draft) and j + m < N - 1 and draft[m] == out[j + m]:
+                m += 1
+            agree[j] = m
+        best = [0.0] * (N + 1)  # best[j]: the cheapest way from out[:j] to all N tokens
+        for j in range(N - 1, 0, -1):
+            best[j] = costs[1, 1] + best[j + 1]
+            for L in range(1, agree[j] + 1):
+                best[j] = min(best[j], costs[1, L + 1] + best[j + L + 1])
+        plain += (N - 1) * costs[1, 1]
+        cost += best[1]
+    return {"speedup": plain / cost}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", default=".bench", help="where `kvserve bench --sizes trained` "
@@ -187,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "relative_costs": {(str(S) if batch == 1 else f"{n}x{S}"): round(c, 3)
                                         for (n, S), c in costs.items()},
                      **replay(prompts, outs, costs, args.k, batch)}
+        if batch == 1:
+            out[name]["bound"] = oracle(prompts, outs, costs, args.k)["speedup"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.update:

@@ -92,3 +92,22 @@ def test_a_batch_of_loops_is_sped_up():
     outs = [[b, b + 1, b + 2] * 30 for b in range(0, 40, 10)]
     got = R.replay(prompts, outs, _batch_costs(4, 1.0, 0.1, 0.02), batch=4)
     assert got["speedup"] > 3 and got["acceptance"] > 0.9
+
+
+def test_the_bound_is_no_policy_below_it():
+    """``oracle``: the cheapest path through the same drafts knowing their fate: never below
+    the speculator's replay, 1.0 where nothing repeats, and a loop's whole draft at cheap
+    costs (each 9-position call makes 9 tokens for 1.8 plain steps: 5x)."""
+    rnd = random.Random(7)
+    cases = [([7, 8, 9, 10] * 8, [7, 8, 9, 10] * 32),
+             ([rnd.randrange(1000) for _ in range(64)], [rnd.randrange(1000) for _ in range(128)]),
+             ([rnd.randrange(50) for _ in range(200)],
+              [rnd.randrange(50) for _ in range(100)] + [1, 2, 3, 4] * 25)]
+    for costs in (COSTS, DEAR):
+        for prompt, out in cases:
+            bound = R.oracle([prompt], [out], costs)["speedup"]
+            assert bound >= R.replay([prompt], [out], costs)["speedup"] - 1e-9
+            assert bound >= 1.0 - 1e-9
+    assert R.oracle([cases[1][0]], [cases[1][1]], DEAR)["speedup"] == pytest.approx(1.0)
+    loop = R.oracle([cases[0][0]], [cases[0][1]], COSTS)["speedup"]
+    assert 4.5 < loop <= 127 / (127 / 9 * 1.8) + 1e-9
