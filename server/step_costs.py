@@ -46,6 +46,7 @@ class StepCosts:
         self._samples: dict[int, dict[int, deque]] = {}  # n -> S -> recent seconds / plain
         self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
         self._lines: dict[int, tuple[float, float]] = {}  # n -> its fitted (j, b) (_line)
+        self._lists: dict[int, list[float]] = {}  # n -> the line's prices, S = 1 .. (relatives)
         self._last: tuple[int, int] | None = None  # the last step's (n, S)
 
     def plain_step(self, n: int, seconds: float, once: bool = False) -> bool:
@@ -79,6 +80,7 @@ class StepCosts:
         recent.append(max(1.0, seconds / plain))
         self.ratio.setdefault(n, {})[positions] = statistics.median(recent)
         self._lines.pop(n, None)
+        self._lists.pop(n, None)
 
     def measured(self, n: int) -> bool:
         """Whether a plain step and a verification were measured at batch size ``n``."""
@@ -93,6 +95,7 @@ class StepCosts:
             self._samples[n][S] = scaled
             self.ratio[n][S] = statistics.median(scaled)
         self._lines.pop(n, None)
+        self._lists.pop(n, None)
 
     def relative(self, n: int, positions: int) -> float:
         """Seconds of a call of ``positions`` per row at batch size ``n`` over a plain step's
@@ -104,9 +107,14 @@ class StepCosts:
 
     def relatives(self, n: int, top: int) -> list[float]:
         """``relative(n, S)`` for S = 1 .. ``top``, in one pass (the drafters weigh every
-        length before each step)."""
-        j, b = self._line(n)
-        return [1.0] + [max(1.0, j + b * (S - 2)) for S in range(2, top + 1)]
+        length before each step: the list is kept until the line changes; do not modify)."""
+        out = self._lists.get(n)
+        if out is None or len(out) < top:
+            j, b = self._line(n)
+            out = [1.0] + [max(1.0, j + b * (S - 2)) for S in range(2, top + 1)]
+            if n in self._lines:  # (the prior's is not kept: a plain figure may come)
+                self._lists[n] = out
+        return out[:top]
 
     def _line(self, n: int) -> tuple[float, float]:
         """(j, b): batch size ``n``'s price of S = 2 and of each position after it."""
@@ -116,18 +124,22 @@ class StepCosts:
         known = self.ratio.get(n)
         if not known or n not in self.plain:
             return 1.0 + PRIOR_PER_POSITION, PRIOR_PER_POSITION
-        weights = {S: len(self._samples[n][S]) for S in known}
-        total = sum(weights.values())
+        samples = self._samples[n]
         if len(known) == 1:  # through (1, 1.0) and the one shape
             (S0, r0), = known.items()
             b = (r0 - 1.0) / (S0 - 1)
             line = (1.0 + b, b)
-        else:  # weighted least squares of r = j + b * (S - 2)
-            mx = sum(w * (S - 2) for S, w in weights.items()) / total
-            my = sum(w * known[S] for S, w in weights.items()) / total
-            sxx = sum(w * (S - 2 - mx) ** 2 for S, w in weights.items())
-            sxy = sum(w * (S - 2 - mx) * (known[S] - my) for S, w in weights.items())
-            b = max(0.0, sxy / sxx)  # (noise may tilt it down: then flat at the mean)
-            line = (my - b * mx, b)
+        else:  # weighted least squares of r = j + b * (S - 2), a shape weighed by its calls
+            sw = swx = swy = swxx = swxy = 0.0
+            for S, r in known.items():
+                w, x = len(samples[S]), S - 2
+                sw += w
+                swx += w * x
+                swy += w * r
+                swxx += w * x * x
+                swxy += w * x * r
+            sxx = swxx - swx * swx / sw
+            b = max(0.0, (swxy - swx * swy / sw) / sxx)  # (noise may tilt it down: then
+            line = (swy / sw - b * swx / sw, b)  # flat at the mean)
         self._lines[n] = line
         return line

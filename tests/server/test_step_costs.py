@@ -145,3 +145,18 @@ def test_a_call_that_paid_a_one_time_cost_is_not_counted():
     c.plain_step(8, 0.001)
     c.verify_step(8, 3, 0.0013)
     assert c.relative(8, 3) == pytest.approx(1.3)
+
+
+def test_the_prices_follow_every_new_call_and_forget():
+    """``relatives`` keeps its list between calls: a new measurement, or ``forget``, must
+    change what it returns, at every length asked."""
+    c = _costs(calls=[(2, 0.015), (5, 0.030)])
+    before = c.relatives(8, 9)
+    assert before == [c.relative(8, S) for S in range(1, 10)]
+    for _ in range(9):
+        c.verify_step(8, 5, 0.040)
+    after = c.relatives(8, 12)
+    assert after[4] > before[4] and after == [c.relative(8, S) for S in range(1, 13)]
+    c.forget(8, 0.5)
+    assert c.relatives(8, 3) == [c.relative(8, S) for S in range(1, 4)]
+    assert c.relatives(8, 3)[2] < after[2]
