@@ -25,6 +25,9 @@ steps cost what the table says (at batch 1: the tokens per unit of cost).
    those costs, knowing each draft's fate in advance (``oracle``: per position, a plain step
    or the lookup's draft cut to its best length, the cheapest path to the end by dynamic
    programming). A speedup target above it is out of reach of n-gram drafts on that machine.
+   Beside it, ``by_length``: the best one draft length per matched n-gram length can make,
+   each chosen knowing how often that length's drafts agreed over the whole run (what a
+   policy reading the match length, and nothing else, can at best make).
 
     python -m kvserve.bench.spec_replay --cache .bench [--update]
 
@@ -161,20 +164,10 @@ def oracle(prompts: list[list[int]], outs: list[list[int]], costs: dict[tuple[in
     the speculator's) cut to a length L up to the tokens it gets right (cost ``costs[1, L +
     1]``, L + 1 tokens), chosen knowing the outcome. ``speedup``: the plain steps' cost over
     that path's."""
-    from kvserve.server.ngram import NgramIndex
-
     plain = cost = 0.0
     for prompt, out in zip(prompts, outs):
         N = len(out)  # out[0] came with the prefill; a state j has out[:j], 1 <= j <= N
-        index = NgramIndex(prompt)
-        agree = [0] * (N + 1)
-        for j in range(1, N):
-            index.append(out[j - 1])
-            draft = index.propose(k_max)
-            m = 0
-            while m < len(draft) and j + m < N - 1 and draft[m] == out[j + m]:
-                m += 1
-            agree[j] = m
+        agree = [0] + [m for _, m in _agreements(prompt, out, k_max)]
         best = [0.0] * (N + 1)  # best[j]: the cheapest way from out[:j] to all N tokens
         for j in range(N - 1, 0, -1):
             best[j] = costs[1, 1] + best[j + 1]
@@ -183,6 +176,54 @@ def oracle(prompts: list[list[int]], outs: list[list[int]], costs: dict[tuple[in
         plain += (N - 1) * costs[1, 1]
         cost += best[1]
     return {"speedup": plain / cost}
+
+
+def _agreements(prompt: list[int], out: list[int], k_max: int) -> list[tuple[int, int]]:
+    """Per state j = 1 .. N - 1 (``out[:j]`` generated): (the lookup's matched length, how
+    many of its draft's tokens agree with the continuation)."""
+    from kvserve.server.ngram import NgramIndex
+
+    N, index, got = len(out), NgramIndex(prompt), []
+    for j in range(1, N):
+        index.append(out[j - 1])
+        draft = index.propose(k_max)
+        m = 0
+        while m < len(draft) and j + m < N - 1 and draft[m] == out[j + m]:
+            m += 1
+        got.append((index.matched, m))
+    return got
+
+
+def by_length(prompts: list[list[int]], outs: list[list[int]],
+              costs: dict[tuple[int, int], float], k_max: int = 8) -> dict:
+    """Batch 1: one draft length L(n) per matched n-gram length n (0: a plain step), each
+    the best for the whole run's agreements after n-token matches (``(1 + E[min(agree, L)])
+    / cost(L + 1)`` against one token per plain step), then walked along each continuation.
+    ``speedup``: the plain steps' cost over the walk's; ``lengths``: {n: L(n)}."""
+    seen: dict[int, list[int]] = {}
+    runs = [_agreements(p, o, k_max) for p, o in zip(prompts, outs)]
+    for run in runs:
+        for n, m in run:
+            seen.setdefault(n, []).append(m)
+    lengths = {}
+    for n, ms in seen.items():
+        best, lengths[n] = 1.0 / costs[1, 1], 0
+        for L in range(1, k_max + 1):
+            v = (1 + sum(min(m, L) for m in ms) / len(ms)) / costs[1, L + 1]
+            if n and v > best:
+                best, lengths[n] = v, L
+    plain = cost = 0.0
+    for out, run in zip(outs, runs):
+        j, N = 1, len(out)
+        while j < N:
+            n, m = run[j - 1]
+            L = lengths.get(n, 0)
+            if L == 0:
+                cost, j = cost + costs[1, 1], j + 1
+            else:
+                cost, j = cost + costs[1, L + 1], j + min(m, L) + 1
+        plain += (N - 1) * costs[1, 1]
+    return {"speedup": plain / cost, "lengths": dict(sorted(lengths.items()))}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -225,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
                      **replay(prompts, outs, costs, args.k, batch)}
         if batch == 1:
             out[name]["bound"] = oracle(prompts, outs, costs, args.k)["speedup"]
+            out[name]["by_length"] = by_length(prompts, outs, costs, args.k)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out, indent=1))
     if args.update:

@@ -14,6 +14,9 @@ measured figure that says why where there is one.
 """
 from __future__ import annotations
 
+import json
+
+from .common import RESULTS
 from .figures import (blocks, fmt, get, paired, paired_speed, per_round_speed, run_date, speed,
                       speed_date, tok_s)
 from .targets import make_target
@@ -64,6 +67,32 @@ def _acceptance(size: dict, runner: str, batch: int) -> str:
     return "–" if a is None else f"{a:.0%} of {d:,} drafted tokens accepted"
 
 
+def _replay_note() -> list[str]:
+    """What the speculator makes of the trained model's own continuations at this machine's
+    measured costs, and the bound of any policy on the same drafts (``bench/spec_replay.py``,
+    its committed results), where they are there."""
+    path = RESULTS / "spec-replay.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    ort, eng = r.get("onnxruntime") or {}, r.get("engine") or {}
+    if "by_length" not in ort or "by_length" not in eng:
+        return []
+    c = ort["relative_costs"]
+    return [f"replayed on the model's own greedy continuations at costs measured on "
+            f"{r['date'][:16].replace('T', ' ')} (bench/results/spec-replay.json): at "
+            f"onnxruntime's call costs (2, 5 and 9 positions: {c['2']:.2f}, {c['5']:.2f} and "
+            f"{c['9']:.2f} plain calls; a model this small is not bound by reading its "
+            f"weights, so each position is arithmetic) the speculator makes "
+            f"{ort['speedup']:.2f}×, at the engine's whole steps {eng['speedup']:.2f}×; "
+            f"knowing every draft's fate in advance, no policy could make more than "
+            f"{ort['bound']:.2f}× / {eng['bound']:.2f}× of the same drafts; one draft length "
+            f"per matched n-gram length, each the best for the whole run, makes "
+            f"{get(ort, 'by_length', 'speedup', default=0):.2f}× / "
+            f"{get(eng, 'by_length', 'speedup', default=0):.2f}× (what a policy reading the "
+            f"match length, and nothing else, can at best make)"]
+
+
 def _spec_notes(size: dict, batch: int, key: str) -> list[str]:
     notes = [] if key == "trained" else [SPEC_RANDOM]
     acc = speed(size, "engine_on", "spec", str(batch), "acceptance")
@@ -71,6 +100,8 @@ def _spec_notes(size: dict, batch: int, key: str) -> list[str]:
         notes.append(f"{acc:.0%} of the drafted tokens were accepted at batch {batch}; each "
                      f"verification call over 1 + K tokens costs more than a plain step on "
                      f"these 2 shared cores")
+    if key == "trained" and batch == 1:
+        notes += _replay_note()
     if batch > 1:
         notes.append(SPEC_B8)
         share = speed(size, "engine_on", "spec", str(batch), "short_batch_share")

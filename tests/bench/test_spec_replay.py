@@ -111,3 +111,17 @@ def test_the_bound_is_no_policy_below_it():
     assert R.oracle([cases[1][0]], [cases[1][1]], DEAR)["speedup"] == pytest.approx(1.0)
     loop = R.oracle([cases[0][0]], [cases[0][1]], COSTS)["speedup"]
     assert 4.5 < loop <= 127 / (127 / 9 * 1.8) + 1e-9
+
+
+def test_one_length_per_match_length_sits_between_plain_steps_and_the_bound():
+    """``by_length``: a loop's 8-token matches draft all 8 at cheap costs; text that never
+    repeats drafts nothing (1.0); never above the bound."""
+    rnd = random.Random(11)
+    loop = ([7, 8, 9, 10] * 8, [7, 8, 9, 10] * 32)
+    noise = ([rnd.randrange(1000) for _ in range(64)], [rnd.randrange(1000) for _ in range(128)])
+    got = R.by_length([loop[0]], [loop[1]], COSTS)
+    assert got["lengths"][8] == 8 and got["speedup"] > 4
+    assert R.by_length([noise[0]], [noise[1]], DEAR)["speedup"] == pytest.approx(1.0)
+    for costs in (COSTS, DEAR):
+        both = R.by_length([loop[0], noise[0]], [loop[1], noise[1]], costs)["speedup"]
+        assert both <= R.oracle([loop[0], noise[0]], [loop[1], noise[1]], costs)["speedup"] + 1e-9
