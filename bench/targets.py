@@ -138,6 +138,14 @@ def _grpc(key: str, size: dict) -> list[dict]:
                 f"{per_round(size, 'grpc', 'genai', f'{streams}x128')}")]
 
 
+SCORE_ROOF = ("the graph's matrix products run at the roofline's GFLOP/s; what the roofline "
+              "counts as free or at MatMul speed is not: attention (kvserve's kernel, one "
+              "query at a time so that a row's arithmetic is the same in every call shape), "
+              "the norms and SwiGLU, the log-softmax outside the graph "
+              "(bench/results/score-profile.json, docs/speed.md 'Score against its compute "
+              "roofline')")
+
+
 def _score(key: str, size: dict) -> list[dict]:
     es = get(size, "runners", "engine", "score", "tok_s")
     hs = get(size, "runners", "hf", "score", "tok_s")
@@ -151,8 +159,13 @@ def _score(key: str, size: dict) -> list[dict]:
                      + f" this machine's compute roofline of {fmt(roof['tok_s'])} tok/s "
                      f"({roof['mflop']:,.0f} MFLOP a token at {roof['gflops']:,.0f} GFLOP/s, "
                      f"the best fp32 MatMul onnxruntime ran here)")
-    return [_target(key, "Score ≥ 3× transformers eager (8 × 256)", ratio(es, hs), 3.0, notes,
-                    f"{fmt(es)} vs {fmt(hs)} tok/s")]
+    out = [_target(key, "Score ≥ 3× transformers eager (8 × 256)", ratio(es, hs), 3.0, notes,
+                   f"{fmt(es)} vs {fmt(hs)} tok/s")]
+    if roof:
+        out.append(_target(key, "Score ≥ 0.9 of the compute roofline (8 × 256)",
+                           ratio(es, roof["tok_s"]), 0.9, [SCORE_ROOF],
+                           f"{fmt(es)} vs {fmt(roof['tok_s'])} tok/s"))
+    return out
 
 
 def _turn_ratios(size: dict, runner: str, name: str) -> list[float]:

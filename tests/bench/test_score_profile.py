@@ -96,6 +96,11 @@ def test_attention_gflops_on_the_causal_and_the_computed_flops():
     assert a["causal_gflops"] == pytest.approx(causal / 50e-6 / 1e9)
     assert a["computed_gflops"] == pytest.approx(a["causal_gflops"] * 2 * 255 / 256)
     assert S.attention_gflops({"ops": {}}, 2, 64, 255, 512) is None
+    assert a["op"] == "GroupQueryAttention"
+    ours = S.attention_gflops({"ops": {"KVAttention": {"us": 50.0}}}, 2, 64, 255, 512)
+    assert ours["op"] == "KVAttention"  # kvserve's kernel computes the causal products only
+    assert ours["computed_gflops"] == pytest.approx(ours["causal_gflops"])
+    assert ours["causal_gflops"] == pytest.approx(a["causal_gflops"])
 
 
 def test_same_shape_efficiency_weighs_each_shape_by_its_time():
