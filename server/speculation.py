@@ -26,11 +26,12 @@ Four things keep it from costing speed:
   at that batch size only (the batch is compute-bound, or the drafts are poor), for longer
   each time it happens again in a row: up to ``_PAUSE_MAX_SECONDS`` of plain steps, so that
   where speculation never pays it stays off, its indexes unbuilt, nearly all the time, and
-  where it begins to pay it is back within seconds; a window that gains halves the next
-  pause. A window of lookups that found no draft worth verifying pauses it only where
-  verifications have been losing: where they pay, the lookups are the price of the next
-  drafts (a pause there missed them: the default trained model at batch 1 drafted 40% less).
-  A request's own draft source (OpenAI's ``prediction``) drafts through a pause. Sums over a
+  where it begins to pay it is back within seconds; once the trend gains, each gaining
+  window halves the next pause. A window of lookups that found no draft worth verifying
+  pauses it unless verifications have been gaining at that batch size: where they pay, the
+  lookups are the price of the next drafts (a pause there missed them: the default trained
+  model at batch 1 drafted 40% less). A request's own draft source (OpenAI's ``prediction``)
+  drafts through a pause, its row alone; the pause goes on for the others. Sums over a
   window, not step by step, so that one step slowed by another process does not switch it
   off. (Before 2026-12-05 only verifications were weighed and a pause held at every batch
   size: on the default trained model at batch 8, speculation drafting next to nothing cost
@@ -96,12 +97,17 @@ class Backoff:
         self.trend: dict[int, float] = {}  # batch size -> the moving average of the log of
         # its windows' gains, those judged on verifications (``_JUDGED``)
 
-    def allow(self, n: int) -> bool:
+    def allow(self, n: int, through_pause: bool = False) -> bool:
+        """Whether a step at batch size ``n`` may verify drafts: not paused there (unless
+        ``through_pause``: the step then counts in the pause, not in a window), a plain
+        figure measured, and no refresh of it due."""
         self.consulted = False
         if self.paused.get(n):
             self.paused[n] -= 1
-            return False
-        self.consulted = True
+            if not through_pause:
+                return False
+        else:
+            self.consulted = True
         return n in self.costs.plain and self.since_plain.get(n, 0) < _REFRESH
 
     def longest_pause(self, n: int) -> int:
@@ -129,7 +135,7 @@ class Backoff:
 
     def _weigh(self, n: int, verified: int, tokens: int, seconds: float) -> None:
         plain = self.costs.plain.get(n)
-        if plain is None:
+        if not plain:  # (None, or a clock too coarse to time a step)
             return
         w = self.window.setdefault(n, [0, 0, 0, 0.0])
         w[0] += verified
@@ -148,10 +154,12 @@ class Backoff:
             g = math.log(self.gain)
             self.trend[n] = t = g if t is None else _TREND * t + (1 - _TREND) * g
             losing = t < math.log(_WORTH)
-        else:  # lookups (and few verifications): they pause it where verifications have
-            # been losing; where they pay, or were never judged, the lookups' cost is the
-            # price of the next drafts
-            losing = self.trend.get(n, 0.0) < math.log(_WORTH) and self.gain < _WORTH
+        else:  # lookups (and few verifications): they pause it unless verifications have
+            # been gaining here (then the lookups' cost is the price of the next drafts); a
+            # batch size where the weighing refuses nearly every draft is never judged, and
+            # its lookups pause it too
+            t = self.trend.get(n)
+            losing = (t is None or t < math.log(_WORTH)) and self.gain < _WORTH
         if losing:
             self.paused[n] = self.pause.get(n, _PAUSE)
             self.pause[n] = min(2 * self.paused[n], self.longest_pause(n))
@@ -195,14 +203,17 @@ class Speculator:
         if any(s.drafting is None for s in active) and \
                 any(s.wants_attention or s.forced for s in active):
             return None
-        if not self.backoff.allow(len(active)) and not any(
-                s.req.lookup_ids for s in active if s.drafting is not None):
-            return None  # (a request's own draft source is tried even so)
         n = len(active)
+        # paused at this batch size: only a request's own draft source (a prediction) drafts
+        only = bool(self.backoff.paused.get(n)) and [
+            s.drafting is not None and bool(s.req.lookup_ids) for s in active]
+        if not self.backoff.allow(n, through_pause=bool(only) and any(only)):
+            return None
         if self._rest.get(n, 0):  # no draft paid at this batch size lately: weighed less often
             self._rest[n] -= 1
             return None
-        out = [self._propose(seq) for seq in active]
+        out = [self._propose(seq) for seq in active] if not only else [
+            self._propose(seq) if mine else [] for seq, mine in zip(active, only)]
         if not any(out):
             return None
         rows = [(self.rate(s) if d else 0.0, len(d)) for s, d in zip(active, out)]

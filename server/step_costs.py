@@ -102,33 +102,40 @@ class StepCosts:
         (see the module's docstring)."""
         if positions <= 1:
             return 1.0
-        j, b = self._line(n)
-        return max(1.0, j + b * (positions - 2))
+        return self.relatives(n, positions)[-1]
 
     def relatives(self, n: int, top: int) -> list[float]:
         """``relative(n, S)`` for S = 1 .. ``top``, in one pass (the drafters weigh every
-        length before each step: the list is kept until the line changes; do not modify)."""
+        length before each step: the list is kept until the line changes). Below the
+        shortest measured shape the price is never under the straight line from one plain
+        step (S = 1) to that shape's price: a line fitted on longer shapes alone may run
+        under 1.0 there, which priced a shape never measured as free."""
         out = self._lists.get(n)
         if out is None or len(out) < top:
-            j, b = self._line(n)
+            j, b, low = self._line(n)
             out = [1.0] + [max(1.0, j + b * (S - 2)) for S in range(2, top + 1)]
+            if low is not None:
+                s0, r0 = low[0], max(1.0, j + b * (low[0] - 2))
+                for S in range(2, min(s0, top + 1)):
+                    out[S - 1] = max(out[S - 1], 1.0 + (r0 - 1.0) * (S - 1) / (s0 - 1))
             if n in self._lines:  # (the prior's is not kept: a plain figure may come)
                 self._lists[n] = out
         return out[:top]
 
-    def _line(self, n: int) -> tuple[float, float]:
-        """(j, b): batch size ``n``'s price of S = 2 and of each position after it."""
+    def _line(self, n: int) -> tuple[float, float, tuple[int] | None]:
+        """(j, b, low): batch size ``n``'s price of S = 2 and of each position after it, and
+        (its shortest measured shape,) where that is over 2."""
         line = self._lines.get(n)
         if line is not None:
             return line
         known = self.ratio.get(n)
         if not known or n not in self.plain:
-            return 1.0 + PRIOR_PER_POSITION, PRIOR_PER_POSITION
+            return 1.0 + PRIOR_PER_POSITION, PRIOR_PER_POSITION, None
         samples = self._samples[n]
         if len(known) == 1:  # through (1, 1.0) and the one shape
             (S0, r0), = known.items()
             b = (r0 - 1.0) / (S0 - 1)
-            line = (1.0 + b, b)
+            j = 1.0 + b
         else:  # weighted least squares of r = j + b * (S - 2), a shape weighed by its calls
             sw = swx = swy = swxx = swxy = 0.0
             for S, r in known.items():
@@ -140,6 +147,8 @@ class StepCosts:
                 swxy += w * x * r
             sxx = swxx - swx * swx / sw
             b = max(0.0, (swxy - swx * swy / sw) / sxx)  # (noise may tilt it down: then
-            line = (swy / sw - b * swx / sw, b)  # flat at the mean)
+            j = swy / sw - b * swx / sw  # flat at the mean)
+        shortest = min(known)
+        line = (j, b, (shortest,) if shortest > 2 else None)
         self._lines[n] = line
         return line

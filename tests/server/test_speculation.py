@@ -116,14 +116,12 @@ def test_lookups_that_never_draft_pause_speculation_where_verifying_lost():
     assert steps == _WINDOW_STEPS - 1 and b.paused[2] == 2 * _PAUSE - 1  # (+ the one above)
 
 
-def test_lookups_go_on_where_verifying_paid_or_was_never_judged():
-    """The same lookups where no window of verifications was judged yet, or where the last
-    one gained: no pause (a pause there misses the drafts that come next)."""
+def test_lookups_go_on_where_verifying_pays_and_pause_where_never_judged():
+    """The same dear lookups where windows of verifications have been gaining: no pause (a
+    pause there misses the drafts that come next); where none was ever judged (the weighing
+    refused nearly every draft), a window of them pauses speculation like a losing one."""
     b = Backoff(StepCosts())
     _plain(b, 2, 0.010)
-    for _ in range(10 * _WINDOW_STEPS):
-        assert b.allow(2)
-        b.plain_step(2, True, 0.011)
     for _ in range(_WINDOW):  # 4 tokens in 10 ms: it pays
         assert b.allow(2)
         b.verify_step(2, 0.010, 4)
@@ -132,6 +130,13 @@ def test_lookups_go_on_where_verifying_paid_or_was_never_judged():
         assert b.allow(2)
         b.plain_step(2, True, 0.011)
     assert not b.paused.get(2)
+    _plain(b, 4, 0.010)  # (the second is the one measured)
+    _plain(b, 4, 0.010)
+    steps = 0
+    while b.allow(4) and steps < 10 * _WINDOW_STEPS:
+        b.plain_step(4, True, 0.011)
+        steps += 1
+    assert 4 not in b.trend and steps == _WINDOW_STEPS and b.paused[4] == _PAUSE - 1
 
 
 def test_a_window_of_lookups_never_shortens_the_next_pause():
@@ -168,21 +173,24 @@ def test_a_window_of_lookups_never_shortens_the_next_pause():
 
 
 def test_a_request_with_its_own_draft_source_drafts_through_a_pause():
-    """OpenAI's ``prediction`` (``lookup_ids``): its row drafts while the batch size is paused
-    (the pause goes on for the other requests)."""
+    """OpenAI's ``prediction`` (``lookup_ids``): its row drafts while the batch size is paused,
+    alone (the other rows wait the pause out, and the step counts in it); the plain figure's
+    refresh still comes first."""
     sp = Speculator(k_max=4, max_seq_len=256)
-    _plain(sp.backoff, 1, 0.01)
-    sp.backoff.paused[1] = 50
+    _plain(sp.backoff, 2, 0.01)
+    sp.backoff.paused[2] = 50
     plain = _seq([20, 21, 22, 20], generated=[21])  # (would draft 22, 20, 21, ...)
     sp.admit(plain)
-    assert sp.drafts([plain]) is None
+    assert sp.drafts([plain, plain]) is None
     req = GenerateRequest([20, 21, 22], SamplingParams(), StopParams(max_new_tokens=16),
                           OutputParams(), lookup_ids=(30, 31, 32, 33, 34))
     predicted = Sequence(req, Handle("p", lambda: None), submitted=0.0)
     predicted.generated = [30]
     sp.admit(predicted)
-    assert sp.drafts([predicted]) == [[31, 32, 33, 34]]
-    assert sp.backoff.paused[1] == 48
+    assert sp.drafts([plain, predicted]) == [[], [31, 32, 33, 34]]
+    assert sp.backoff.paused[2] == 48 and not sp.backoff.consulted
+    sp.backoff.since_plain[2] = _REFRESH  # a refresh due: a plain step, prediction or not
+    assert sp.drafts([plain, predicted]) is None
 
 
 def test_a_pause_holds_at_its_batch_size_only():

@@ -570,7 +570,7 @@ def test_lookup_ids_are_drafted_from_and_leave_the_output_alone(lm):
         e = _engine(lm, 0, 8)
         # the drafts weighed with fixed step costs and never paused: the acceptance is the
         # drafts' own, not this machine's load (a busy machine paused them: 16 of 40 accepted)
-        e.spec.backoff.allow = lambda n: True
+        e.spec.backoff.allow = lambda n, **_: True
         e.costs.relatives = lambda n, top: [1.0 + 0.1 * (S - 1) for S in range(1, top + 1)]
         try:
             h, = e.submit_many([GenerateRequest(list(prompt),

@@ -340,7 +340,7 @@ def test_paired_outputs_identical_with_each_feature_on_and_off(plm, sampling):
                            for s, t in zip(r, base) for x, y in zip(s, t)), k
         assert engines[(8, 0)].prefix.cached_blocks > 0
         spec = engines[(8, 4)]
-        spec.spec.backoff.allow = lambda n: True  # the drafts' acceptance, not the machine's
+        spec.spec.backoff.allow = lambda n, **_: True  # the drafts' acceptance, not the machine's
         spec.costs.relatives = lambda n, top: [1.0 + 0.1 * (S - 1) for S in range(1, top + 1)]
         reqs = [dataclasses.replace(_request(p, 24, sampling, return_logits=True),
                                     lookup_ids=tuple(x.token_id for x in out))

@@ -160,3 +160,13 @@ def test_the_prices_follow_every_new_call_and_forget():
     c.forget(8, 0.5)
     assert c.relatives(8, 3) == [c.relative(8, S) for S in range(1, 4)]
     assert c.relatives(8, 3)[2] < after[2]
+
+
+def test_a_shape_shorter_than_any_measured_is_never_priced_free():
+    """Only S = 4 (1.3x) and S = 5 (1.9x) measured: their line runs under 1.0 at S = 2 and 3;
+    those are priced on the straight line from one plain step to S = 4's price instead."""
+    c = _costs(plain=0.010, calls=[(4, 0.013), (5, 0.019)])
+    got = c.relatives(8, 6)
+    assert got[1] == pytest.approx(1 + 0.3 / 3) and got[2] == pytest.approx(1 + 0.6 / 3)
+    assert got[3] == pytest.approx(1.3) and got[4] == pytest.approx(1.9)
+    assert got == [c.relative(8, S) for S in range(1, 7)] and got == sorted(got)
