@@ -329,7 +329,7 @@ class ModelRunner(KeptRows):
         if drafts is not None:
             self._verify_step(drafts, ngram is not None, time.monotonic() - t0)
         else:
-            self._decode_step(time.monotonic() - t0 if self.spec is not None else 0.0)
+            self._decode_step(time.monotonic() - t0)
 
     def _within_context(self, drafts: list[list[int]]) -> list[list[int]] | None:
         """``drafts`` cut so that the verification's every row, padded to the longest, stays

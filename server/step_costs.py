@@ -45,8 +45,7 @@ class StepCosts:
         self._plain_samples: dict[int, deque] = {}  # batch size -> recent steady seconds
         self._samples: dict[int, dict[int, deque]] = {}  # n -> S -> recent seconds / plain
         self.ratio: dict[int, dict[int, float]] = {}  # n -> S -> their median
-        self._lines: dict[int, tuple[float, float]] = {}  # n -> its fitted (j, b) (_line)
-        self._lists: dict[int, list[float]] = {}  # n -> the line's prices, S = 1 .. (relatives)
+        self._lists: dict[int, list[float]] = {}  # n -> its prices, S = 1 .. (relatives)
         self._last: tuple[int, int] | None = None  # the last step's (n, S)
 
     def plain_step(self, n: int, seconds: float, once: bool = False) -> bool:
@@ -79,7 +78,6 @@ class StepCosts:
         recent = self._samples.setdefault(n, {}).setdefault(positions, deque(maxlen=_SAMPLES))
         recent.append(max(1.0, seconds / plain))
         self.ratio.setdefault(n, {})[positions] = statistics.median(recent)
-        self._lines.pop(n, None)
         self._lists.pop(n, None)
 
     def measured(self, n: int) -> bool:
@@ -94,7 +92,6 @@ class StepCosts:
             scaled = deque((1 + (r - 1) * factor for r in recent), maxlen=_SAMPLES)
             self._samples[n][S] = scaled
             self.ratio[n][S] = statistics.median(scaled)
-        self._lines.pop(n, None)
         self._lists.pop(n, None)
 
     def relative(self, n: int, positions: int) -> float:
@@ -112,25 +109,22 @@ class StepCosts:
         under 1.0 there, which priced a shape never measured as free."""
         out = self._lists.get(n)
         if out is None or len(out) < top:
-            j, b, low = self._line(n)
+            j, b, s0 = self._line(n)
             out = [1.0] + [max(1.0, j + b * (S - 2)) for S in range(2, top + 1)]
-            if low is not None:
-                s0, r0 = low[0], max(1.0, j + b * (low[0] - 2))
+            if s0 is not None:
+                r0 = max(1.0, j + b * (s0 - 2))
                 for S in range(2, min(s0, top + 1)):
                     out[S - 1] = max(out[S - 1], 1.0 + (r0 - 1.0) * (S - 1) / (s0 - 1))
-            if n in self._lines:  # (the prior's is not kept: a plain figure may come)
+            if self.measured(n):  # (the prior's is not kept: a plain figure may come)
                 self._lists[n] = out
         return out[:top]
 
-    def _line(self, n: int) -> tuple[float, float, tuple[int] | None]:
-        """(j, b, low): batch size ``n``'s price of S = 2 and of each position after it, and
-        (its shortest measured shape,) where that is over 2."""
-        line = self._lines.get(n)
-        if line is not None:
-            return line
-        known = self.ratio.get(n)
-        if not known or n not in self.plain:
+    def _line(self, n: int) -> tuple[float, float, int | None]:
+        """(j, b, s0): batch size ``n``'s price of S = 2 and of each position after it, and its
+        shortest measured shape where that is over 2 (``relatives`` keeps what it prices)."""
+        if not self.measured(n):
             return 1.0 + PRIOR_PER_POSITION, PRIOR_PER_POSITION, None
+        known = self.ratio[n]
         samples = self._samples[n]
         if len(known) == 1:  # through (1, 1.0) and the one shape
             (S0, r0), = known.items()
@@ -149,6 +143,4 @@ class StepCosts:
             b = max(0.0, (swxy - swx * swy / sw) / sxx)  # (noise may tilt it down: then
             j = swy / sw - b * swx / sw  # flat at the mean)
         shortest = min(known)
-        line = (j, b, (shortest,) if shortest > 2 else None)
-        self._lines[n] = line
-        return line
+        return j, b, (shortest if shortest > 2 else None)
