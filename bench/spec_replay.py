@@ -138,9 +138,7 @@ def replay(prompts: list[list[int]], outs: list[list[int]],
             emitted = 0
             for seq, draft in zip(active, drafts):
                 out, i = goal[id(seq)], len(seq.generated)
-                m = 0
-                while m < len(draft) and i + m < len(out) - 1 and draft[m] == out[i + m]:
-                    m += 1
+                m = _agreeing(draft, out, i)
                 if S > 1:
                     sp.record(seq, len(draft), m)
                 seq.generated.extend(out[i:i + m + 1])
@@ -183,15 +181,21 @@ def _agreements(prompt: list[int], out: list[int], k_max: int) -> list[tuple[int
     many of its draft's tokens agree with the continuation)."""
     from kvserve.server.ngram import NgramIndex
 
-    N, index, got = len(out), NgramIndex(prompt), []
-    for j in range(1, N):
+    index, got = NgramIndex(prompt), []
+    for j in range(1, len(out)):
         index.append(out[j - 1])
-        draft = index.propose(k_max)
-        m = 0
-        while m < len(draft) and j + m < N - 1 and draft[m] == out[j + m]:
-            m += 1
-        got.append((index.matched, m))
+        draft = index.propose(k_max)  # (then ``matched`` is this draft's)
+        got.append((index.matched, _agreeing(draft, out, j)))
     return got
+
+
+def _agreeing(draft: list[int], out: list[int], i: int) -> int:
+    """How many of ``draft``'s tokens agree with the continuation ``out`` from position
+    ``i`` on, short of its last token (the step that follows a verification emits one)."""
+    m = 0
+    while m < len(draft) and i + m < len(out) - 1 and draft[m] == out[i + m]:
+        m += 1
+    return m
 
 
 def by_length(prompts: list[list[int]], outs: list[list[int]],

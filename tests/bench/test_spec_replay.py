@@ -125,3 +125,18 @@ def test_one_length_per_match_length_sits_between_plain_steps_and_the_bound():
     for costs in (COSTS, DEAR):
         both = R.by_length([loop[0], noise[0]], [loop[1], noise[1]], costs)["speedup"]
         assert both <= R.oracle([loop[0], noise[0]], [loop[1], noise[1]], costs)["speedup"] + 1e-9
+
+
+def test_each_states_agreement_is_its_own_drafts():
+    """``_agreements``: at each state the matched length and agreement of the draft proposed
+    there (an index built afresh from the same tokens), not the state before's."""
+    from kvserve.server.ngram import NgramIndex
+
+    rnd = random.Random(13)
+    prompt = [rnd.randrange(12) for _ in range(40)]
+    out = [rnd.randrange(12) for _ in range(30)] + [1, 2, 3] * 10
+    got = R._agreements(prompt, out, 8)
+    for j, (n, m) in enumerate(got, start=1):
+        index = NgramIndex(prompt + out[:j])
+        draft = index.propose(8)
+        assert (n, m) == (index.matched, R._agreeing(draft, out, j)), j
