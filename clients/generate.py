@@ -176,8 +176,11 @@ def summary_line(c: Completion) -> str:
     if c.generated_tokens > 1 and t.total_seconds > t.time_to_first_token_seconds:
         rate = f", {(c.generated_tokens - 1) / (t.total_seconds - t.time_to_first_token_seconds):.1f} tok/s"
     cached = f" ({c.cached_prompt_tokens} cached)" if c.cached_prompt_tokens else ""
+    drafted = c.accepted_prediction_tokens + c.rejected_prediction_tokens
+    predicted = (f" ({c.accepted_prediction_tokens} of {drafted} drafted from the prediction "
+                 f"accepted)" if drafted else "")
     return (f"[finish: {reason}; prompt {c.prompt_tokens} tokens{cached}, generated "
-            f"{c.generated_tokens}; queue {t.queue_seconds * 1e3:.1f} ms, first token "
+            f"{c.generated_tokens}{predicted}; queue {t.queue_seconds * 1e3:.1f} ms, first token "
             f"{t.time_to_first_token_seconds * 1e3:.1f} ms, total {t.total_seconds * 1e3:.1f} ms"
             f"{rate}]" + (f" error: {c.error}" if c.error else ""))
 

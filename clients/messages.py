@@ -86,6 +86,9 @@ class Completion:
     error: str = ""
     tokens: list[TokenEvent] = field(default_factory=list)
     cached_prompt_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache
+    # drafted tokens copied from the request's prediction that verification kept / threw away
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     type = "complete"
 
@@ -163,7 +166,9 @@ def completion(c: pb.Complete) -> Completion:
         prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
         timings=Timings(c.timings.queue_seconds, c.timings.time_to_first_token_seconds,
                         c.timings.total_seconds),
-        request_id=c.request_id, error=c.error, cached_prompt_tokens=c.cached_prompt_tokens)
+        request_id=c.request_id, error=c.error, cached_prompt_tokens=c.cached_prompt_tokens,
+        accepted_prediction_tokens=c.accepted_prediction_tokens,
+        rejected_prediction_tokens=c.rejected_prediction_tokens)
 
 
 def generate_events(msg: pb.GenerateResponse, logprobs: bool) -> list[GenerateEvent]:

@@ -134,6 +134,10 @@ class FinishEvent:
     stop_token_id: int | None = None
     error: str = ""
     cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache (pool or slot)
+    # drafted tokens copied from the request's lookup ids (a prediction) that verification
+    # kept / threw away (both 0 where nothing was drafted from them)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass

@@ -320,8 +320,14 @@ class OpenAIApi:
         cached = sum(finishes[p * parsed.n].cached_tokens
                      for p in range(len(finishes) // parsed.n))
         gen = sum(f.generated_tokens for f in finishes.values())
+        # a prediction's drafted tokens that verification kept / threw away, every choice's
         return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": sum(
+                        f.accepted_prediction_tokens for f in finishes.values()),
+                    "rejected_prediction_tokens": sum(
+                        f.rejected_prediction_tokens for f in finishes.values())}}
 
     @staticmethod
     def _no_generation(parsed: Parsed, n: int, scored: list) -> dict[int, FinishEvent]:

@@ -65,6 +65,7 @@ class NgramIndex:
             raise ValueError(f"n-gram lengths must be in [1, 64], got {self.lengths}")
         self.tokens: list[int] = []
         self.matched = 0  # the n-gram length the last proposal matched (0: none)
+        self.start = 0  # where in ``tokens`` the last proposal's draft was copied from
         # n -> (for each length looked up) an n-gram's key -> end (exclusive) of its most
         # recent occurrence that has a following token, i.e. an occurrence ending before
         # len(tokens); None for the lengths between them
@@ -140,7 +141,7 @@ class NgramIndex:
             shift = L - e
             while len(draft) < k:  # ... then the copy continues through the draft itself
                 draft.append(draft[len(draft) - shift])
-            self.matched = n
+            self.matched, self.start = n, e
             return draft
         return []
 

@@ -177,7 +177,9 @@ class OutputProcessor:
         ev = FinishEvent(reason=reason, prompt_tokens=len(seq.req.prompt_ids),
                          generated_tokens=len(seq.generated), text="".join(seq.text),
                          timings=t, stop_sequence=stop_sequence, stop_token_id=stop_token,
-                         error=error, cached_tokens=seq.cached_tokens)
+                         error=error, cached_tokens=seq.cached_tokens,
+                         accepted_prediction_tokens=seq.prediction_accepted,
+                         rejected_prediction_tokens=seq.prediction_rejected)
         self.metrics.finished(_FAILED.get(reason, reason.value) if error else reason.value,
                               len(seq.generated))
         log.info("request %s finished: %s, prompt %d, generated %d, queue %.3fs, ttft %.3fs, "

@@ -64,6 +64,10 @@ class Sequence:
     held: list = field(default_factory=list)  # (token, time) chosen, not yet made events
     drafting: Any = None  # speculation.Drafting where it may draft
     cached_tokens: int = 0  # prompt tokens whose KV rows came from the prefix cache (pool or slot)
+    # drafted tokens copied from its lookup ids (a prediction) that verification kept / threw
+    # away (OpenAI's accepted / rejected prediction tokens)
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
     # index of the first token this call generates (server.resume)
     prefill_ids: list[int] = field(default_factory=list)

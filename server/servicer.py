@@ -244,6 +244,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 stop_token_id=ev.stop_token_id or 0, prompt_tokens=ev.prompt_tokens,
                 generated_tokens=ev.generated_tokens, request_id=rid, text=ev.text,
                 error=ev.error, cached_prompt_tokens=ev.cached_tokens,
+                accepted_prediction_tokens=ev.accepted_prediction_tokens,
+                rejected_prediction_tokens=ev.rejected_prediction_tokens,
                 timings=pb.Timings(queue_seconds=ev.timings.queue,
                                    time_to_first_token_seconds=ev.timings.ttft,
                                    total_seconds=ev.timings.total)))

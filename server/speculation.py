@@ -78,6 +78,8 @@ class Drafting:
     indexed: int = 0  # generated tokens already in the index
     empty: int = 0  # lookups in a row that found no draft
     skip: int = 0  # steps left before the next lookup
+    predicted: int = 0  # how many of ``source``'s first tokens are the request's lookup ids
+    from_prediction: bool = False  # its latest draft was copied from them
 
 
 class Backoff:
@@ -192,7 +194,8 @@ class Speculator:
         if self.eligible(seq) and seq.req.constraint is None:
             look = seq.req.lookup_ids
             seq.drafting = Drafting(AdaptiveK(self.k_max), source=[
-                *look, *seq.req.prompt_ids] if look else seq.req.prompt_ids)
+                *look, *seq.req.prompt_ids] if look else seq.req.prompt_ids,
+                predicted=len(look))
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -258,6 +261,7 @@ class Speculator:
         k = d.k.k(room)
         draft = d.index.propose(k) if k > 0 else []
         d.n = d.index.matched
+        d.from_prediction = bool(draft) and d.index.start < d.predicted
         if k > 0 and not draft:
             d.empty += 1
             d.skip = min(1 << d.empty, _MAX_SKIP) - 1
@@ -284,5 +288,8 @@ class Speculator:
             n = seq.drafting.n
             seq.drafting.k.update(n, drafted, accepted)
             self._by_n.update(n, drafted, accepted)
+            if seq.drafting.from_prediction:  # (OpenAI's usage of a prediction)
+                seq.prediction_accepted += accepted
+                seq.prediction_rejected += drafted - accepted
         self.drafted += drafted
         self.accepted += accepted

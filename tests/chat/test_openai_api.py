@@ -268,11 +268,19 @@ def test_prediction_and_prompt_cache_hints(oai, base_url):
     400 naming the field."""
     openai = pytest.importorskip("openai")
     kw = dict(model="artifact", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=5)
-    plain = oai.chat.completions.create(**kw).choices[0].message.content
+    first = oai.chat.completions.create(**kw)
+    plain = first.choices[0].message.content
     assert plain
+    details = first.usage.completion_tokens_details  # no prediction: nothing drafted from one
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
     got = oai.chat.completions.create(**kw, prediction={"type": "content", "content": plain},
                                       prompt_cache_key="k1", prompt_cache_retention="24h")
     assert got.choices[0].message.content == plain
+    # (how many are drafted depends on the speculator's weighing on this machine: the engine's
+    # counts are tested in tests/server/test_speedups.py)
+    details = got.usage.completion_tokens_details
+    assert 0 <= details.accepted_prediction_tokens <= got.usage.completion_tokens
+    assert details.rejected_prediction_tokens >= 0
     parts = oai.chat.completions.create(**kw, prediction={
         "type": "content", "content": [{"type": "text", "text": plain[:5]},
                                        {"type": "text", "text": plain[5:]}]})

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvserve.clients import messages as M
+from kvserve.clients.generate import summary_line
 from kvserve.v1 import inference_pb2 as pb
 
 
@@ -67,10 +68,14 @@ def test_stream_messages_become_events_and_a_completion():
     assert M.generate_events(first, logprobs=False)[0].logprob is None
     end = pb.GenerateResponse(complete=pb.Complete(
         finish_reason=pb.FINISH_REASON_STOP_TOKEN, stop_token_id=4, prompt_tokens=3,
-        generated_tokens=2, text="t0", request_id="r",
+        generated_tokens=2, text="t0", request_id="r", cached_prompt_tokens=1,
+        accepted_prediction_tokens=5, rejected_prediction_tokens=3,
         timings=pb.Timings(queue_seconds=0.5, total_seconds=2.0)))
     (done,) = M.generate_events(end, logprobs=True)
     assert (done.finish_reason, done.stop_token_id, done.text) == ("stop_token", 4, "t0")
+    assert (done.cached_prompt_tokens, done.accepted_prediction_tokens,
+            done.rejected_prediction_tokens) == (1, 5, 3)
+    assert "5 of 8 drafted from the prediction accepted" in summary_line(done)
     assert done.timings == M.Timings(0.5, 0.0, 2.0) and done.tokens == []
     length = M.completion(pb.Complete(finish_reason=pb.FINISH_REASON_LENGTH, stop_token_id=4))
     assert length.finish_reason == "length" and length.stop_token_id is None

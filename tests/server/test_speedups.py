@@ -577,13 +577,23 @@ def test_lookup_ids_are_drafted_from_and_leave_the_output_alone(lm):
                                                 SamplingParams(temperature=1.0, seed=7),
                                                 StopParams(max_new_tokens=40, ignore_eos=True),
                                                 OutputParams(), lookup_ids=tuple(lookup))])
-            toks = [ev.token_id for ev in h if isinstance(ev, TokenEvent)]
-            return toks, e.spec.accepted
+            evs = list(h)
+            toks = [ev.token_id for ev in evs if isinstance(ev, TokenEvent)]
+            fin = evs[-1]  # its usage: the drafted tokens copied from the lookup ids
+            return toks, e.spec.accepted, (fin.accepted_prediction_tokens,
+                                           fin.rejected_prediction_tokens)
         finally:
             e.stop()
-    plain, alone = run(())
-    right, accepted = run(plain)
-    wrong, _ = run(g.integers(5, 300, 40).tolist())
+    plain, alone, none = run(())
+    right, accepted, used = run(plain)
+    wrong, _, missed = run(g.integers(5, 300, 40).tolist())
     assert right == plain and wrong == plain
-    print(f"accepted: {alone} without, {accepted} with the reply as lookup ids")
+    print(f"accepted: {alone} without, {accepted} with the reply as lookup ids; "
+          f"prediction tokens accepted/rejected {used}, a wrong one's {missed}")
     assert accepted >= len(plain) // 2 > alone, (accepted, alone)
+    # the usage counts the drafts copied from the prediction alone: none without one, most
+    # of the reply from the right one (no more than the engine accepted in all), the wrong
+    # one's drafts rejected
+    assert none == (0, 0)
+    assert len(plain) // 2 <= used[0] <= accepted, (used, accepted)
+    assert missed[0] <= 2 and missed[0] + missed[1] > 0, missed
