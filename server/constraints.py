@@ -274,6 +274,10 @@ class Constraint:
                                   f"constraint: it allows no first token"
                                   f"{_NO_WAY_OUT.get(spec.kind, '')}", field=spec.field)
 
+    def fresh(self) -> "Constraint":
+        """A new matcher of the same grammar, at its start."""
+        return Constraint(self.guide, self.spec)
+
     def fill(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed-token bitmask (int32 words, bit i of word w = token 32*w+i)."""
         row = bitmask_row.reshape(1, -1) if bitmask_row.ndim == 1 else bitmask_row

@@ -340,9 +340,27 @@ class Engine:
             self._fail_all(admit, e)
 
     def _fail_all(self, admit: list[Sequence], e: Exception) -> None:
+        """After a failed iteration: the requests in flight start again from the tokens
+        their callers have had (``resume.restart``: their streams go on unchanged), once;
+        those that cannot fail (ERROR); so do the Score calls in flight."""
+        again = []
         for seq in self.sched.active + admit + self._fed():
-            if not seq.done:
+            if seq.done:
+                continue
+            try:
+                new = resume.restart(seq, self.output)
+            except Exception:  # (never leave the failure path half done)
+                log.exception("request %s could not be restarted", seq.handle.request_id)
+                new = None
+            if new is None:
                 self.output.finish(seq, FinishReason.ERROR, error="internal error")
+            else:
+                seq.done = True  # (the new sequence carries its request on)
+                again.append(new)
+        if again:
+            log.warning("re-admitting %d request(s) from the tokens they delivered",
+                        len(again))
+        self.metrics.iteration_failed(len(again))
         self.sched.active = []
         self.sched.prefilling = None
         self._running = 0
@@ -353,6 +371,7 @@ class Engine:
                 job.future.set_exception(e)
         with self._cond:
             self._jobs = [j for j in self._jobs if not j.future.done()]
+            self.sched.waiting.extendleft(reversed(again))  # first in line
 
     def _shut_down(self) -> None:
         """Whoever is still here gets a final event."""

@@ -85,6 +85,12 @@ class Metrics:
         self.forced_tokens = LabelledCounter(r, p + "constraint_forced_tokens_total",
                                              "tokens a constraint forced, fed as a draft and "
                                              "accepted (no decode step of their own)")
+        self.failures = LabelledCounter(r, p + "engine_iteration_failures_total",
+                                        "engine iterations that raised (the log has each "
+                                        "traceback)")
+        self.restarts = LabelledCounter(r, p + "restarted_requests_total",
+                                        "requests re-admitted from their delivered tokens "
+                                        "after a failed engine iteration")
 
     # engine hooks
     def queue_depth(self, n: int) -> None:
@@ -119,6 +125,11 @@ class Metrics:
     def fast_forwarded(self, tokens: int) -> None:
         if tokens:
             self.forced_tokens.inc(tokens)
+
+    def iteration_failed(self, restarted: int) -> None:
+        self.failures.inc()
+        if restarted:
+            self.restarts.inc(restarted)
 
 
 class MetricsServer:

@@ -116,6 +116,11 @@ class OutputProcessor:
                         stop_token=tok if stop.finish is FinishReason.STOP_TOKEN else None)
         return stop
 
+    def release(self, seq: Sequence) -> None:
+        """``seq``'s held tokens, if any, become events now."""
+        if seq.held:
+            self._release(seq)
+
     def _release(self, seq: Sequence) -> None:
         """Make the events of ``seq``'s held tokens (text through its detokenizer, in order)
         and stage them for its caller."""
@@ -129,7 +134,9 @@ class OutputProcessor:
         chosen (a held token's step), by default now."""
         if now is None:
             now = time.monotonic()
-        first = ev.index == seq.first_index  # (a resumed stream's first new token too)
+        # (a resumed stream's first new token too; not a restarted one's: its caller has had
+        # tokens from this server already)
+        first = ev.index == seq.first_index and not seq.first_token
         self.metrics.token(first, now - (seq.submitted if first else seq.last_token))
         if first:
             seq.first_token = now

@@ -21,15 +21,25 @@ refused.
 
 ``check`` runs in the caller's thread before submission (INVALID_ARGUMENT for tokens that run
 past the end of the stream they claim to continue); ``restore`` in the engine's.
+
+The engine uses the same path after one of its iterations failed (an unexpected exception:
+the KV cache it was writing is dropped): ``restart`` makes each request in flight a resumed
+one from the tokens its caller has had, on the same handle, so its stream goes on with the
+tokens it would have had instead of ending in an error. Each request is restarted once
+(``MAX_RESTARTS``): a request whose own tokens make an iteration fail every time fails there,
+with the requests restarted beside it, at the second failure.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence as Seq
 
 from .detok import IncrementalDetokenizer, StopMatcher, TokenBytes
 from .domain import FinishReason, GenerateRequest, InvalidArgument, StopParams
 from .sequence import Sequence
 from .stopping import StopCheck, check_stop
+
+MAX_RESTARTS = 1  # times a request in flight is re-admitted after a failed engine iteration
 
 
 def _replay(tokens: Seq[int], st: StopParams, eos_ids: frozenset[int],
@@ -109,3 +119,24 @@ def restore(seq: Sequence, eos_ids: frozenset[int], output, step: bool = False) 
                   stop_token=seq.generated[-1] if stop.finish is FinishReason.STOP_TOKEN
                   else None)
     return True
+
+
+def restart(seq: Sequence, output) -> Sequence | None:
+    """``seq``'s request again after a failed engine iteration dropped its KV rows: a new
+    sequence on the same handle that resumes from the tokens its caller has had (``restore``
+    at its admission), with the seed it drew with and a fresh constraint matcher; its tokens
+    chosen but not yet sent are sent first (``output.release``). None where it is not
+    restarted: cancelled, or restarted ``MAX_RESTARTS`` times already."""
+    if seq.restarts >= MAX_RESTARTS or seq.handle.cancelled:
+        return None
+    output.release(seq)
+    req = seq.req
+    sampling = req.sampling if seq.seed is None else dataclasses.replace(req.sampling,
+                                                                          seed=seq.seed)
+    again = dataclasses.replace(
+        req, sampling=sampling, resume=tuple(seq.generated[:len(seq.text)]),
+        constraint=None if req.constraint is None else req.constraint.fresh())
+    return Sequence(again, seq.handle, submitted=seq.submitted, first_token=seq.first_token,
+                    last_token=seq.last_token, restarts=seq.restarts + 1,
+                    prediction_accepted=seq.prediction_accepted,
+                    prediction_rejected=seq.prediction_rejected)

@@ -68,6 +68,7 @@ class Sequence:
     # away (OpenAI's accepted / rejected prediction tokens)
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    restarts: int = 0  # times it was re-admitted after a failed engine iteration (resume.py)
     # what prefill feeds (the prompt; a resumed request's delivered tokens after it) and the
     # index of the first token this call generates (server.resume)
     prefill_ids: list[int] = field(default_factory=list)

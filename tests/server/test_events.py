@@ -157,12 +157,13 @@ def test_many_streaming_callers_share_the_wake_ups(scaled):
         engine.stop()
 
 
-def test_gauges_follow_a_failed_iteration_and_the_end():
-    """A decode step that raises fails the sequences in flight (ERROR) and the running gauge
-    drops to 0; at shutdown the queue gauge does too."""
+def test_gauges_follow_failed_iterations_and_the_end():
+    """A decode step that raises restarts the sequence in flight (tests/server/test_restart.py),
+    a second one fails it (ERROR); the running gauge drops to 0 at each and the failures are
+    counted; at shutdown the queue gauge drops to 0 too."""
     class Gauges:
         def __init__(self):
-            self.running_values, self.queue_values = [], []
+            self.running_values, self.queue_values, self.failed = [], [], []
 
         def queue_depth(self, n): self.queue_values.append(n)
         def running(self, n): self.running_values.append(n)
@@ -170,10 +171,11 @@ def test_gauges_follow_a_failed_iteration_and_the_end():
         def token(self, *a): ...
         def finished(self, *a): ...
         def step(self, *a): ...
+        def iteration_failed(self, n): self.failed.append(n)
 
     class Failing(FakeLM):
         def decode(self, cache, n, tokens, attention=False):
-            if self.calls["decode"] == 3:
+            if self.calls["decode"] in (3, 6):
                 self.calls["decode"] += 1
                 raise RuntimeError("boom")
             return super().decode(cache, n, tokens, attention)
@@ -183,9 +185,12 @@ def test_gauges_follow_a_failed_iteration_and_the_end():
                     score_chunk_floats=64 * 64, eos_id=None, metrics=g, stream_interval=0.05)
     engine.start()
     try:
-        _, fin = _collect(engine.submit(_req([3], 50)))
+        toks, fin = _collect(engine.submit(_req([3], 50)))
         assert fin.reason.value == "error" and fin.error == "internal error"
+        assert g.failed == [1, 0]  # restarted at the first, failed at the second
+        assert len(toks) >= 4  # its tokens before each failure (one a step)
         assert 1 in g.running_values and g.running_values[-1] == 0
+        assert g.running_values.count(0) >= 2
     finally:
         engine.stop()
     assert g.queue_values[-1] == 0

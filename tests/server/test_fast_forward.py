@@ -222,3 +222,26 @@ def test_a_resumed_seeded_stream_continues_identically(lm, artifact, guides, spl
     finally:
         on.stop()
         off.stop()
+
+
+def test_a_failed_iteration_restarts_constrained_rows_exactly(lm, artifact, guides):
+    """An iteration that raises (injected after its step ran) restarts every row from the
+    tokens it delivered (server/resume.py ``restart``): a constrained row gets a fresh matcher
+    brought to where it was, and every output is the unfailed run's."""
+    engines = [_engine(lm, artifact, True) for _ in range(2)]
+    seen = [0]
+
+    def hook(work):
+        work()
+        seen[0] += 1
+        if seen[0] == 6:
+            raise RuntimeError("injected")
+    engines[1].iteration_hook = hook
+    try:
+        want, got = (_run(e, _mixed(guides, SEEDED)) for e in engines)
+        assert seen[0] > 6 and _ids(got) == _ids(want)
+        assert [f.reason for _, f in got] == [f.reason for _, f in want]
+        assert [f.text for _, f in got] == [f.text for _, f in want]
+    finally:
+        for e in engines:
+            e.stop()

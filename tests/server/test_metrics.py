@@ -53,6 +53,8 @@ def test_hooks_render_the_same_names_and_labels(served):
     m.speculated(0, 0)
     m.fast_forwarded(5)
     m.fast_forwarded(0)
+    m.iteration_failed(3)
+    m.iteration_failed(0)
     ctype, body = scrape(srv.port)
     assert ctype == "text/plain; version=0.0.4; charset=utf-8"
     assert value(body, "kvserve_queue_size") == 3
@@ -63,6 +65,8 @@ def test_hooks_render_the_same_names_and_labels(served):
     assert value(body, "kvserve_spec_draft_tokens_total") == 4
     assert value(body, "kvserve_spec_accepted_tokens_total") == 3
     assert value(body, "kvserve_constraint_forced_tokens_total") == 5
+    assert value(body, "kvserve_engine_iteration_failures_total") == 2
+    assert value(body, "kvserve_restarted_requests_total") == 3
     assert value(body, 'kvserve_requests_total{outcome="length",rpc="Generate"}') == 2
     assert value(body, 'kvserve_requests_total{outcome="stop",rpc="Generate"}') == 1
     assert value(body, 'kvserve_requests_total{outcome="ok",rpc="Score"}') == 1
