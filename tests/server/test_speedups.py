@@ -592,8 +592,9 @@ def test_lookup_ids_are_drafted_from_and_leave_the_output_alone(lm):
           f"prediction tokens accepted/rejected {used}, a wrong one's {missed}")
     assert accepted >= len(plain) // 2 > alone, (accepted, alone)
     # the usage counts the drafts copied from the prediction alone: none without one, most
-    # of the reply from the right one (no more than the engine accepted in all), the wrong
-    # one's drafts rejected
+    # of the reply from the right one (no more than the engine accepted in all), next to
+    # nothing accepted from the wrong one (its n-grams rarely match; the prompt's and the
+    # reply's own, more recent, win where they do)
     assert none == (0, 0)
     assert len(plain) // 2 <= used[0] <= accepted, (used, accepted)
-    assert missed[0] <= 2 and missed[0] + missed[1] > 0, missed
+    assert missed[0] <= 2, missed
