@@ -99,6 +99,8 @@ class RecordingMetrics:
     def fast_forwarded(self, tokens):
         self.forced += tokens
 
+    def iteration_failed(self, restarted): ...
+
 
 class EngineRunner(Runner):
     """The real continuous-batching engine, in-process. ``prefix_cache_mb`` and

@@ -290,6 +290,13 @@ class Engine:
                  "prompt tokens, %d where every row's logits or attention come back (Score, "
                  "diagnostics: --score-chunk-floats over the vocabulary)", self.max_batch,
                  self.max_queue, self.sched.prefill_tokens(), self.chunk_tokens)
+        try:
+            self._loop()
+        except Exception:  # (a failure its recovery could not survive: no KV cache)
+            log.exception("the engine stopped")
+            self._shut_down()
+
+    def _loop(self) -> None:
         sched = self.sched
         settled = False  # idle for SAVE_WHEN_IDLE_AFTER already: idle work goes on piecewise
         while True:
@@ -342,7 +349,9 @@ class Engine:
     def _fail_all(self, admit: list[Sequence], e: Exception) -> None:
         """After a failed iteration: the requests in flight start again from the tokens
         their callers have had (``resume.restart``: their streams go on unchanged), once;
-        those that cannot fail (ERROR); so do the Score calls in flight."""
+        those that cannot fail (ERROR; CANCELLED where their callers left); so do the Score
+        calls in flight. If the engine cannot get a new KV cache, the restarted ones fail too
+        (and the exception ends the engine's thread)."""
         again = []
         for seq in self.sched.active + admit + self._fed():
             if seq.done:
@@ -352,26 +361,36 @@ class Engine:
             except Exception:  # (never leave the failure path half done)
                 log.exception("request %s could not be restarted", seq.handle.request_id)
                 new = None
-            if new is None:
-                self.output.finish(seq, FinishReason.ERROR, error="internal error")
-            else:
+            if new is not None:
                 seq.done = True  # (the new sequence carries its request on)
                 again.append(new)
-        if again:
-            log.warning("re-admitting %d request(s) from the tokens they delivered",
-                        len(again))
-        self.metrics.iteration_failed(len(again))
+            elif seq.handle.cancelled:
+                self.output.finish(seq, FinishReason.CANCELLED)
+            else:
+                self.output.finish(seq, FinishReason.ERROR, error="internal error")
         self.sched.active = []
         self.sched.prefilling = None
         self._running = 0
-        self.metrics.running(0)
-        self.sched.kv = self.lm.new_cache(self.max_batch)
+        try:
+            self.runner.drop_unsaved()  # (rows of the cache being dropped)
+            self.sched.kv = None  # (the old cache freed before the new one is made)
+            self.sched.kv = self.lm.new_cache(self.max_batch)
+        except Exception:
+            for seq in again:
+                self.output.finish(seq, FinishReason.ERROR, error="internal error")
+            raise
+        with self._cond:
+            self.sched.waiting.extendleft(reversed(again))  # first in line
+        if again:
+            log.warning("re-admitting %d request(s) from the tokens they delivered",
+                        len(again))
         for job in self._jobs:
             if not job.future.done():
                 job.future.set_exception(e)
         with self._cond:
             self._jobs = [j for j in self._jobs if not j.future.done()]
-            self.sched.waiting.extendleft(reversed(again))  # first in line
+        self.metrics.running(0)
+        self.metrics.iteration_failed(len(again))
 
     def _shut_down(self) -> None:
         """Whoever is still here gets a final event."""
@@ -419,8 +438,9 @@ class Engine:
         now = time.monotonic()
         plain, attn = [], []
         for seq in seqs:
-            seq.admitted = now
-            self.metrics.admitted(now - seq.submitted, len(seq.req.prompt_ids))
+            if not seq.restarts:  # (a restarted one was admitted and counted before)
+                seq.admitted = now
+                self.metrics.admitted(now - seq.submitted, len(seq.req.prompt_ids))
             req = seq.req
             seq.seed = request_seed(req.sampling.seed) if not req.sampling.greedy else None
             seq.detok = IncrementalDetokenizer(self.token_bytes)

@@ -51,6 +51,11 @@ class KeptRows:
         """Copy every free slot's rows that wait for it into the prefix cache."""
         self._save(list(self._unsaved))
 
+    def drop_unsaved(self) -> None:
+        """The KV cache is being replaced (a failed iteration): its waiting rows are not
+        copied, and the old cache is not held for them."""
+        self._unsaved.clear()
+
     @property
     def idle_work(self) -> bool:
         """Something to do while no request is here: rows that wait for the prefix cache, or

@@ -131,12 +131,16 @@ def restart(seq: Sequence, output) -> Sequence | None:
         return None
     output.release(seq)
     req = seq.req
+    had = tuple(seq.generated[:len(seq.text)])  # what its caller has had (its events' tokens,
+    # the resumed ones restored at admission among them) ...
+    if len(had) < len(req.resume):  # ... unless the failure came before its admission
+        had = req.resume  # restored them
     sampling = req.sampling if seq.seed is None else dataclasses.replace(req.sampling,
                                                                           seed=seq.seed)
     again = dataclasses.replace(
-        req, sampling=sampling, resume=tuple(seq.generated[:len(seq.text)]),
+        req, sampling=sampling, resume=had,
         constraint=None if req.constraint is None else req.constraint.fresh())
-    return Sequence(again, seq.handle, submitted=seq.submitted, first_token=seq.first_token,
-                    last_token=seq.last_token, restarts=seq.restarts + 1,
-                    prediction_accepted=seq.prediction_accepted,
+    return Sequence(again, seq.handle, submitted=seq.submitted, admitted=seq.admitted,
+                    first_token=seq.first_token, last_token=seq.last_token,
+                    restarts=seq.restarts + 1, prediction_accepted=seq.prediction_accepted,
                     prediction_rejected=seq.prediction_rejected)

@@ -114,9 +114,9 @@ class Scheduler:
                 self.output.finish(seq, FinishReason.CANCELLED)
             elif seq.req.deadline is not None and now >= seq.req.deadline:
                 # never started: capacity, not the request (the gRPC caller's own deadline
-                # is still DEADLINE_EXCEEDED)
-                self.output.finish(seq, FinishReason.TIME_LIMIT, error=QUEUED_OUT.format(
-                    seconds=now - seq.submitted))
+                # is still DEADLINE_EXCEEDED); a restarted one had started (resume.restart)
+                self.output.finish(seq, FinishReason.TIME_LIMIT, error="" if seq.restarts
+                                   else QUEUED_OUT.format(seconds=now - seq.submitted))
             else:
                 keep.append(seq)
         self.waiting = keep

@@ -79,7 +79,8 @@ class Drafting:
     empty: int = 0  # lookups in a row that found no draft
     skip: int = 0  # steps left before the next lookup
     predicted: int = 0  # how many of ``source``'s first tokens are the request's lookup ids
-    from_prediction: bool = False  # its latest draft was copied from them
+    from_prediction: int = 0  # how many of its latest draft's first tokens were copied
+    # from them
 
 
 class Backoff:
@@ -261,7 +262,7 @@ class Speculator:
         k = d.k.k(room)
         draft = d.index.propose(k) if k > 0 else []
         d.n = d.index.matched
-        d.from_prediction = bool(draft) and d.index.start < d.predicted
+        d.from_prediction = max(0, d.predicted - d.index.start) if draft else 0
         if k > 0 and not draft:
             d.empty += 1
             d.skip = min(1 << d.empty, _MAX_SKIP) - 1
@@ -288,8 +289,9 @@ class Speculator:
             n = seq.drafting.n
             seq.drafting.k.update(n, drafted, accepted)
             self._by_n.update(n, drafted, accepted)
-            if seq.drafting.from_prediction:  # (OpenAI's usage of a prediction)
-                seq.prediction_accepted += accepted
-                seq.prediction_rejected += drafted - accepted
+            p = seq.drafting.from_prediction  # (OpenAI's usage of a prediction: its
+            if p:  # tokens among the draft's, which may run on into the prompt)
+                seq.prediction_accepted += min(accepted, p)
+                seq.prediction_rejected += min(drafted, p) - min(accepted, p)
         self.drafted += drafted
         self.accepted += accepted

@@ -2,8 +2,10 @@
 fake model: the requests in flight start again from the tokens their callers have had and their
 streams go on with exactly the events an unfailed run gives (greedy, seeded, a stop string,
 tokens held back for a staged caller, a failure after the step's tokens went out); a request
-with no seed of its own keeps the one it drew; a second failure ends the restarted requests
-with an error after the tokens they had, never different ones."""
+with no seed of its own keeps the one it drew; a resumed request caught before its admission
+keeps its place; a second failure ends the restarted requests with an error after the tokens
+they had, never different ones; a deadline passing while one waits to be re-admitted ends it
+as a request that started; with no new KV cache to be had every request ends, none hangs."""
 from __future__ import annotations
 
 import pytest
@@ -156,3 +158,75 @@ def test_a_model_that_keeps_failing_ends_each_request_with_an_error(make_engine)
     assert all(fin.reason is FinishReason.ERROR and fin.error == "internal error"
                for _, fin in got)
     assert lm.calls["decode"] >= 2  # once, then once after the restart
+
+
+def _drain(handle, timeout: float = 20.0):
+    """A handle's events, failing instead of hanging when no final event comes."""
+    evs = []
+    while True:
+        ev = handle.events.get(timeout=timeout)
+        evs.append(ev)
+        if isinstance(ev, FinishEvent):
+            return evs
+
+
+def test_a_resumed_request_failing_before_its_admission_keeps_its_place(make_engine):
+    """A resumed request (it carries the tokens an earlier call delivered) caught by a failure
+    before it was admitted goes on after those tokens, not from the start."""
+    reference, _ = make_engine()
+    (ref, _), = _run(reference, _requests()[:1])
+    engine, _ = make_engine()
+    seen = [0]
+
+    def hook(work):
+        seen[0] += 1
+        if seen[0] == 1:
+            raise RuntimeError("before the admission")
+        work()
+    engine.iteration_hook = hook
+    req = _requests()[0]
+    req.resume = tuple(e[1] for e in ref[:5])
+    evs = _drain(engine.submit(req))
+    fin = evs.pop()
+    assert [(e.index, e.token_id, e.text) for e in evs] == ref[5:]
+    assert fin.reason is FinishReason.LENGTH and fin.generated_tokens == 40
+
+
+def test_a_restarted_request_past_its_deadline_ends_as_one_that_started(make_engine):
+    """Its deadline passing while it waits to be re-admitted: TIME_LIMIT after its tokens,
+    without the queue's "at capacity, never started" error."""
+    import time
+    engine, _ = make_engine()
+    req = _requests()[0]
+    req.deadline = time.monotonic() + 0.5
+    seen = [0]
+
+    def hook(work):
+        work()
+        seen[0] += 1
+        if seen[0] == 3:
+            time.sleep(max(0.0, req.deadline - time.monotonic()) + 0.05)
+            raise RuntimeError("late")
+    engine.iteration_hook = hook
+    evs = _drain(engine.submit(req))
+    fin = evs.pop()
+    assert fin.reason is FinishReason.TIME_LIMIT and fin.error == "" and len(evs) >= 3
+
+
+def test_no_new_cache_after_a_failure_ends_every_request(make_engine):
+    """The model's new KV cache fails too: every request ends (the restarted ones with the
+    error), none hangs, and the engine refuses new ones."""
+    class NoCache(FailingLM):
+        made = 0
+
+        def new_cache(self, max_batch, capacity=128):
+            NoCache.made += 1
+            if NoCache.made > 1:
+                raise MemoryError("no memory for a new cache")
+            return super().new_cache(max_batch, capacity)
+    engine, _ = make_engine(NoCache((3,)))
+    for h in engine.submit_many(_requests()):
+        fin = _drain(h)[-1]
+        assert fin.reason is FinishReason.ERROR
+    engine._thread.join(5)
+    assert not engine.alive

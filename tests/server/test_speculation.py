@@ -309,3 +309,24 @@ def test_no_verification_while_a_row_wants_attention():
     sp.admit(diag)
     assert diag.drafting is None
     assert sp.drafts([loopy, diag]) is None
+
+
+def test_prediction_usage_counts_the_drafts_prediction_tokens_only():
+    """A draft copied from the prediction counts in the usage's prediction tokens, as far as
+    its tokens are the prediction's: one that runs on from the prediction's last token into
+    the prompt counts that one token; a draft from the prompt counts none."""
+    spec = Speculator(4, 256)
+    req = GenerateRequest([14, 15, 16, 12], SamplingParams(), StopParams(max_new_tokens=20),
+                          OutputParams(), lookup_ids=(10, 11, 12, 13))
+    seq = Sequence(req, Handle("p", lambda: None), submitted=0.0)
+    spec.admit(seq)
+    # source 10 11 12 13 | 14 15 16 12: the last token (12) follows on from index 3
+    assert spec._propose(seq) == [13, 14, 15, 16]
+    spec.record(seq, 4, 3)
+    assert (seq.prediction_accepted, seq.prediction_rejected) == (1, 0)
+    spec.record(seq, 4, 0)
+    assert (seq.prediction_accepted, seq.prediction_rejected) == (1, 1)
+    seq.generated.extend([13, 14])  # now "... 12 13 14": the prompt's 14 is followed by 15
+    assert spec._propose(seq) == [15, 16, 12, 13]
+    spec.record(seq, 4, 4)
+    assert (seq.prediction_accepted, seq.prediction_rejected) == (1, 1)
