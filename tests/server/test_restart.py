@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 from fake_lm import FakeLM, engine_maker
+from test_resume import FirstTokens
 
 from kvserve.model.sampling import SamplingParams
 from kvserve.server import resume
 from kvserve.server.domain import (FinishEvent, FinishReason, GenerateRequest, OutputParams,
                                    StopParams, TokenEvent)
-from kvserve.server.interfaces import NullMetrics
 
 V = 64
 
@@ -32,14 +32,6 @@ class FailingLM(FakeLM):
             self.calls["decode"] += 1
             raise RuntimeError("boom")
         return super().decode(kv, n, tokens, attention)
-
-
-class FirstTokens(NullMetrics):
-    def __init__(self):
-        self.first = 0
-
-    def token(self, first: bool, seconds: float) -> None:
-        self.first += first
 
 
 @pytest.fixture(params=[0.0, 0.05], ids=["woken-per-token", "staged"])
