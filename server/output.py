@@ -86,8 +86,7 @@ class OutputProcessor:
     def accept(self, seq: Sequence, tok: int, raw: np.ndarray, attention) -> StopCheck:
         """``tok`` was chosen from ``raw`` as ``seq``'s next token: its text, stop checks and
         event (and the sequence's end, when it ends it). Returns the stop check."""
-        if seq.held:  # its earlier tokens come first, through the same detokenizer
-            self._release(seq)
+        self.release(seq)  # its earlier tokens first, through the same detokenizer
         req = seq.req
         k = len(seq.generated)
         complete = False
@@ -161,8 +160,7 @@ class OutputProcessor:
 
     def wake_staged(self) -> None:
         for seq in self._holding:
-            if seq.held:
-                self._release(seq)
+            self.release(seq)
         self._holding.clear()
         for box in self._staged:
             box.wake()
@@ -174,8 +172,7 @@ class OutputProcessor:
     # --- the end -------------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason, stop_sequence: str = "",
                stop_token: int | None = None, error: str = "") -> None:
-        if seq.held:  # (cancelled, timed out or failed between two wake-ups)
-            self._release(seq)
+        self.release(seq)  # (held: cancelled, timed out or failed between two wake-ups)
         seq.done = True
         now = time.monotonic()
         t = Timings(queue=(seq.admitted or now) - seq.submitted,

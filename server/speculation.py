@@ -82,9 +82,8 @@ class Drafting:
     indexed: int = 0  # generated tokens already in the index
     empty: int = 0  # lookups in a row that found no draft
     skip: int = 0  # steps left before the next lookup
-    predicted: int = 0  # how many of ``source``'s first tokens are the request's lookup ids
     from_prediction: int = 0  # how many of its latest draft's first tokens were copied
-    # from them
+    # from the request's lookup ids (``source``'s first tokens)
 
 
 class Backoff:
@@ -204,8 +203,7 @@ class Speculator:
         if self.eligible(seq) and seq.req.constraint is None:
             look = seq.req.lookup_ids
             seq.drafting = Drafting(AdaptiveK(self.k_max), source=[
-                *look, *seq.req.prompt_ids] if look else seq.req.prompt_ids,
-                predicted=len(look))
+                *look, *seq.req.prompt_ids] if look else seq.req.prompt_ids)
 
     def drafts(self, active: list[Sequence]) -> list[list[int]] | None:
         """Each row's draft ([] for none), or None when no row drafts or speculation is paused
@@ -271,7 +269,7 @@ class Speculator:
         k = d.k.k(room)
         draft = d.index.propose(k) if k > 0 else []
         d.n = d.index.matched
-        d.from_prediction = max(0, d.predicted - d.index.start) if draft else 0
+        d.from_prediction = max(0, len(seq.req.lookup_ids) - d.index.start) if draft else 0
         if k > 0 and not draft:
             d.empty += 1
             d.skip = min(1 << d.empty, _MAX_SKIP) - 1
