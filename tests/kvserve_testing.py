@@ -317,3 +317,20 @@ def torch_logprobs(model, ids) -> np.ndarray:
     with torch.no_grad():
         lp = log_softmax(model(torch.tensor([list(ids)])).logits[0].float().numpy())
     return lp[np.arange(len(ids) - 1), np.asarray(ids[1:])]
+
+
+def fail_iteration(engine, at: int, before: bool = False) -> list[int]:
+    """Make ``engine``'s ``at``-th iteration raise (after its work ran, or ``before`` it), as
+    an unexpected failure would (``Engine._fail_all``). Returns the iterations counted so
+    far (a one-item list)."""
+    seen = [0]
+
+    def hook(work):
+        seen[0] += 1
+        if before and seen[0] == at:
+            raise RuntimeError("injected before the iteration's work")
+        work()
+        if not before and seen[0] == at:
+            raise RuntimeError("injected after the iteration's work")
+    engine.iteration_hook = hook
+    return seen

@@ -12,6 +12,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from kvserve_testing import fail_iteration
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvserve.model.sampling import SamplingParams
@@ -229,14 +230,7 @@ def test_a_failed_iteration_restarts_constrained_rows_exactly(lm, artifact, guid
     tokens it delivered (server/resume.py ``restart``): a constrained row gets a fresh matcher
     brought to where it was, and every output is the unfailed run's."""
     engines = [_engine(lm, artifact, True) for _ in range(2)]
-    seen = [0]
-
-    def hook(work):
-        work()
-        seen[0] += 1
-        if seen[0] == 6:
-            raise RuntimeError("injected")
-    engines[1].iteration_hook = hook
+    seen = fail_iteration(engines[1], 6)
     try:
         want, got = (_run(e, _mixed(guides, SEEDED)) for e in engines)
         assert seen[0] > 6 and _ids(got) == _ids(want)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 from fake_lm import FakeLM, engine_maker
+from kvserve_testing import fail_iteration
 from test_resume import FirstTokens
 
 from kvserve.model.sampling import SamplingParams
@@ -104,14 +105,7 @@ def test_a_failure_after_the_steps_tokens_went_out_repeats_none(make_engine):
     reference, _ = make_engine()
     want = _run(reference, _requests())
     engine, _ = make_engine()
-    seen = [0]
-
-    def hook(work):
-        work()
-        seen[0] += 1
-        if seen[0] == 9:
-            raise RuntimeError("after the step")
-    engine.iteration_hook = hook
+    fail_iteration(engine, 9)
     got = _run(engine, _requests())
     _whole(got)
     assert [g[0] for g in got[:3]] == [w[0] for w in want[:3]]
@@ -168,14 +162,7 @@ def test_a_resumed_request_failing_before_its_admission_keeps_its_place(make_eng
     reference, _ = make_engine()
     (ref, _), = _run(reference, _requests()[:1])
     engine, _ = make_engine()
-    seen = [0]
-
-    def hook(work):
-        seen[0] += 1
-        if seen[0] == 1:
-            raise RuntimeError("before the admission")
-        work()
-    engine.iteration_hook = hook
+    fail_iteration(engine, 1, before=True)  # (the first iteration admits it)
     req = _requests()[0]
     req.resume = tuple(e[1] for e in ref[:5])
     evs = _drain(engine.submit(req))
