@@ -19,8 +19,7 @@ Four things keep it from costing speed:
   they gain more, in ratio), or a plain step when no draft pays;
 - per engine, ``Backoff``: the tokens a window of steps yields per second while speculation is
   on (``_WINDOW`` verifications with the plain steps among them, or ``_WINDOW_STEPS`` steps
-  in all, or ``_PROBE_STEPS`` without a verification where verifications have not been
-  gaining: the plain steps pay for the lookups and the n-gram indexes, and the one after a
+  in all: the plain steps pay for the lookups and the n-gram indexes, and the one after a
   verification for the change of shape) are compared with the plain step's at the same batch
   size (two plain steps are taken now and then to keep that figure fresh). Where the windows
   yield fewer (a moving average of their gains: one window's is noisy), speculation pauses
@@ -52,9 +51,6 @@ from .step_costs import StepCosts
 _REFRESH = 32  # verification steps between two refreshes of the plain figure at a batch size
 _WINDOW = 16  # verification steps whose tokens and seconds are weighed together (with the
 _WINDOW_STEPS = 64  # plain steps among them), or this many steps in all
-_PROBE_STEPS = 16  # ... or this many without a verification, where verifications have not
-# been gaining (a probe after a pause: its lookups are what it costs; over the trained
-# model's ~1,300 steps at batch 8, 64-step probes took 384 of them, 16-step ones 112)
 _JUDGED = 4  # a window with this many verifications says whether they pay at its batch size
 _TREND = 0.5  # the weight of the earlier such windows in its trend
 _PAUSE = 16  # plain steps of a first pause (at that batch size); doubled while windows keep
@@ -133,11 +129,6 @@ class Backoff:
             self._weigh(n, 0, n, seconds)
         self.consulted = False
 
-    def _gaining(self, n: int) -> bool:
-        """Windows of verifications have been gaining at batch size ``n``."""
-        t = self.trend.get(n)
-        return t is not None and t >= math.log(_WORTH)
-
     def verify_step(self, n: int, seconds: float, tokens: int) -> None:
         self.since_plain[n] = self.since_plain.get(n, 0) + 1
         self.consulted = False
@@ -153,8 +144,7 @@ class Backoff:
         w[1] += 1
         w[2] += tokens
         w[3] += seconds
-        if w[0] < _WINDOW and w[1] < _WINDOW_STEPS and not (
-                w[0] == 0 and w[1] >= _PROBE_STEPS and not self._gaining(n)):
+        if w[0] < _WINDOW and w[1] < _WINDOW_STEPS:
             return
         self.gain = (w[2] / w[3]) / (n / plain)
         self.window[n] = [0, 0, 0, 0.0]  # (``w`` is the window just weighed)
@@ -170,7 +160,8 @@ class Backoff:
             # been gaining here (then the lookups' cost is the price of the next drafts); a
             # batch size where the weighing refuses nearly every draft is never judged, and
             # its lookups pause it too
-            losing = not self._gaining(n) and self.gain < _WORTH
+            t = self.trend.get(n)
+            losing = (t is None or t < math.log(_WORTH)) and self.gain < _WORTH
         if losing:
             self.paused[n] = self.pause.get(n, _PAUSE)
             self.pause[n] = min(2 * self.paused[n], self.longest_pause(n))

@@ -9,8 +9,8 @@ from kvserve.server.domain import GenerateRequest, OutputParams, StopParams
 from kvserve.server.sequence import Handle, Sequence
 from kvserve.server.ngram import NgramIndex
 from kvserve.server.speculation import (_INDEX_CHUNK, _MAX_SKIP, _PAUSE, _PAUSE_MAX_SECONDS,
-                                        _PROBE_STEPS, _REFRESH, _WINDOW, _WINDOW_STEPS,
-                                        Backoff, Speculator)
+                                        _REFRESH,
+                                        _WINDOW, _WINDOW_STEPS, Backoff, Speculator)
 from kvserve.server.step_costs import StepCosts
 
 
@@ -105,7 +105,7 @@ def _losing_window(b: Backoff, n: int, plain: float) -> None:
 def test_lookups_that_never_draft_pause_speculation_where_verifying_lost():
     """No verification, every plain step paying for the lookups (11 ms against a plain
     step's 10), where the last window of verifications lost (a compute-bound batch): after
-    ``_PROBE_STEPS`` steps speculation pauses again, and the lookups stop."""
+    ``_WINDOW_STEPS`` steps speculation pauses again, and the lookups stop."""
     b = Backoff(StepCosts())
     _plain(b, 2, 0.010)
     _losing_window(b, 2, 0.010)
@@ -113,7 +113,7 @@ def test_lookups_that_never_draft_pause_speculation_where_verifying_lost():
     while b.allow(2) and steps < 10 * _WINDOW_STEPS:
         b.plain_step(2, True, 0.011)
         steps += 1
-    assert steps == _PROBE_STEPS - 1 and b.paused[2] == 2 * _PAUSE - 1  # (+ the one above)
+    assert steps == _WINDOW_STEPS - 1 and b.paused[2] == 2 * _PAUSE - 1  # (+ the one above)
 
 
 def test_lookups_go_on_where_verifying_pays_and_pause_where_never_judged():
@@ -136,7 +136,7 @@ def test_lookups_go_on_where_verifying_pays_and_pause_where_never_judged():
     while b.allow(4) and steps < 10 * _WINDOW_STEPS:
         b.plain_step(4, True, 0.011)
         steps += 1
-    assert 4 not in b.trend and steps == _PROBE_STEPS and b.paused[4] == _PAUSE - 1
+    assert 4 not in b.trend and steps == _WINDOW_STEPS and b.paused[4] == _PAUSE - 1
 
 
 def test_a_window_of_lookups_never_shortens_the_next_pause():
@@ -330,19 +330,3 @@ def test_prediction_usage_counts_the_drafts_prediction_tokens_only():
     assert spec._propose(seq) == [15, 16, 12, 13]
     spec.record(seq, 4, 4)
     assert (seq.prediction_accepted, seq.prediction_rejected) == (1, 1)
-
-
-def test_a_probe_with_a_verification_runs_its_whole_window():
-    """After a pause, a window in which a draft was verified is weighed over the whole window
-    (``_WINDOW_STEPS``), not cut at ``_PROBE_STEPS`` as one of lookups alone: a probe that
-    finds drafts gets its verifications judged."""
-    b = Backoff(StepCosts())
-    _plain(b, 2, 0.010)
-    _losing_window(b, 2, 0.010)
-    assert b.allow(2)
-    b.verify_step(2, 0.010, 4)  # (it paid: 4 tokens in a plain step's time)
-    steps = 1
-    while b.allow(2) and steps < 10 * _WINDOW_STEPS:
-        b.plain_step(2, True, 0.011)
-        steps += 1
-    assert steps == _WINDOW_STEPS - 1  # (+ the step after the pause, in _losing_window)
